@@ -89,7 +89,7 @@ func TestStartOnFullFileSystem(t *testing.T) {
 	loadAndCompare(t, e2, c2, keys, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}}, want)
 	// The failure log's interval is 10 s; an hour here puts the two
 	// failures below within one, however slowly the machine runs them.
-	e2.fails.interval = time.Hour
+	e2.st.fails.interval = time.Hour
 	for range 2 {
 		res := wait(t)(e2.Store(ctx, StoreRequest{Cache: c2.id, Keys: testKeys("new", 1), Blocks: [][]int{{16, 17, 18, 19}}}))
 		if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) {

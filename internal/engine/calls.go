@@ -61,12 +61,12 @@ func (g *callGate) closing() bool { return g.n.Load() >= gateClosed }
 // enters the call (calls.enter: refused once the engine closes) and finds
 // ns. The caller defers exit, which ends the call.
 func (e *Engine) enterNamespace(ns NamespaceID) (n *namespace, exit func(), err error) {
-	if err := e.calls.enter(); err != nil {
+	if err := e.busy.calls.enter(); err != nil {
 		return nil, nil, err
 	}
 	if n, err = e.tables.namespace(ns); err != nil {
-		e.calls.exit()
+		e.busy.calls.exit()
 		return nil, nil, err
 	}
-	return n, e.calls.exit, nil
+	return n, e.busy.calls.exit, nil
 }

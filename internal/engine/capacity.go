@@ -77,7 +77,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 	if reserve(space.High) {
 		return nil
 	}
-	e.evictWaits.Add(1)
+	e.st.evictWaits.Add(1)
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
 	e.refreshCapacity(m, false)
@@ -173,10 +173,10 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 		if ctx.Err() != nil {
 			return stopped() // no file is deleted for a caller that gave up
 		}
-		if e.hitRec != nil {
-			e.hitRec.flush() // rank with every hit reported so far
+		if e.pol.hitRec != nil {
+			e.pol.hitRec.flush() // rank with every hit reported so far
 		}
-		req := abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.now().UnixNano()), Mount: uint32(m.idx)}
+		req := abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.cfg.Now().UnixNano()), Mount: uint32(m.idx)}
 		var victims []policy.Eviction
 		var err error
 		if m.cluster != nil {
@@ -185,7 +185,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 			victims, err = e.tier.evictions(context.WithoutCancel(ctx), req)
 		}
 		if err != nil {
-			e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
+			e.cfg.Logger.Warn("engine: policy victims", "mount", m.root, "err", err)
 			return nil
 		}
 		var freed int64
@@ -213,7 +213,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 			// has removed it, or kept it as a spare.
 			en, c, rec, ok := e.ix.EvictID(v.Entry, func(en *entry) bool {
 				return en.Mount == m.idx && m.mayEvict(en)
-			}, e.now().UnixNano())
+			}, e.cfg.Now().UnixNano())
 			if !ok {
 				continue
 			}

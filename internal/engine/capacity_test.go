@@ -147,7 +147,7 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 	// More stores while the files are still there: each either ends
 	// (room that was free) or waits for the eviction; stop at the first
 	// that waits.
-	waits := e.evictWaits.Load()
+	waits := e.st.evictWaits.Load()
 	for i := 19; i < 40; i++ {
 		j := store(i)
 		jobs = append(jobs, j)
@@ -159,8 +159,8 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 				return false
 			}
 		}
-		testwait.Until(t, fmt.Sprintf("store %d to end or wait for the eviction", i), testwait.Hang, func() bool { return done() || e.evictWaits.Load() > waits })
-		if e.evictWaits.Load() > waits {
+		testwait.Until(t, fmt.Sprintf("store %d to end or wait for the eviction", i), testwait.Hang, func() bool { return done() || e.st.evictWaits.Load() > waits })
+		if e.st.evictWaits.Load() > waits {
 			break
 		}
 	}

@@ -207,7 +207,7 @@ func TestCloseGivesUpOnAStoreHungInTheFileSystemButKeepsTheNodeLock(t *testing.T
 	}
 	<-bfs.reached
 
-	e.closeUnwind = 0 // the store cannot unwind: no need to wait for it
+	e.closing.unwind = 0 // the store cannot unwind: no need to wait for it
 	cctx, cancel := context.WithCancel(ctx)
 	cancel() // the shutdown's time is up
 	closed := make(chan error, 1)
@@ -251,7 +251,7 @@ func TestCloseGivesUpOnAStoreHungInTheFileSystemButKeepsTheNodeLock(t *testing.T
 
 // closeWaitsForCalls reports whether Close has begun and waits for calls
 // still in flight.
-func closeWaitsForCalls(e *Engine) bool { return e.calls.closing() && e.calls.inFlight() > 0 }
+func closeWaitsForCalls(e *Engine) bool { return e.busy.calls.closing() && e.busy.calls.inFlight() > 0 }
 
 // lateFiles notes every file operation made after Close returned.
 type lateFiles struct{ late *lateCalls }

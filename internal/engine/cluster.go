@@ -69,7 +69,7 @@ func openCluster(e *Engine) error {
 		if err != nil {
 			return fmt.Errorf("%w: mount %s: %w", ErrInvalid, m.root, err)
 		}
-		g := cluster.Group{Idx: m.idx, Root: m.root, Node: e.node, Log: e.log, Host: clusterHost{e, m}, Index: e.ix, Space: e.space, Sp: m.sp}
+		g := cluster.Group{Idx: m.idx, Root: m.root, Node: e.own.node, Log: e.cfg.Logger, Host: clusterHost{e, m}, Index: e.ix, Space: e.space, Sp: m.sp}
 		c, err := cluster.Open(e.fs, g, b, cm.ClusterInterval)
 		if c != nil {
 			m.cluster = c // it keeps no spares (spareCapable)
@@ -124,7 +124,7 @@ type clusterHost struct {
 }
 
 // Now is the engine's clock.
-func (h clusterHost) Now() time.Time { return h.e.now() }
+func (h clusterHost) Now() time.Time { return h.e.cfg.Now() }
 
 // Access tells the policy of recs.
 func (h clusterHost) Access(ctx context.Context, recs []abi.AccessRecord) { h.e.access(ctx, recs) }
@@ -159,7 +159,7 @@ func (h clusterHost) Purge(ctx context.Context, ens []*index.Entry) {
 	var r PurgeResult
 	h.e.rm.purgeEntries(ctx, ens, mayPurge(h.e.mounts), &r, "purged on the cluster")
 	if r.Files+r.Left+r.Others > 0 {
-		h.e.log.Info("engine: cluster: dropped the files of purged namespaces (a purge record)", "mount", h.m.root,
+		h.e.cfg.Logger.Info("engine: cluster: dropped the files of purged namespaces (a purge record)", "mount", h.m.root,
 			"files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "others", r.Others, "pinned", r.Pinned, "left", r.Left)
 	}
 }
@@ -168,7 +168,7 @@ func (h clusterHost) Purge(ctx context.Context, ens []*index.Entry) {
 // asking nothing, when the policy cannot rank (no policy.Ranker, or no
 // abi.FeatureRank).
 func (h clusterHost) Rank(ctx context.Context, recs []abi.RankRecord) (bool, error) {
-	p := h.e.pol
+	p := h.e.pol.Policy
 	if sp, ok := p.(*switchPolicy); ok {
 		hd := sp.acquire()
 		defer hd.calls.Done()
@@ -269,7 +269,7 @@ func (h clusterHost) AdoptFiles(ctx context.Context, tags map[uint32]bool, temps
 				// still this one); a removal that fails leaves it counted
 				// on this node's mount (index.left) and tried again.
 				e.st.corrupt.Add(1)
-				e.log.Warn("engine: cluster: a dead node's corrupt file removed", "mount", m.root, "err", short)
+				e.cfg.Logger.Warn("engine: cluster: a dead node's corrupt file removed", "mount", m.root, "err", short)
 				e.rm.drop(ctx, got, true, "corrupt")
 			case got != nil:
 				n++

@@ -207,8 +207,8 @@ func TestAStoreRefusedForLocalRoomBesideATwinNamesIt(t *testing.T) {
 		if kr.Outcome == OutcomeStored {
 			continue
 		}
-		if !errors.Is(kr.Err, ErrNoSpace) || !strings.Contains(kr.Err.Error(), idle.e.node) {
-			t.Fatalf("busy node's store %d beside its twin %s, its mount full: %v, %v; want ErrNoSpace naming the twin", i, idle.e.node, kr.Outcome, kr.Err)
+		if !errors.Is(kr.Err, ErrNoSpace) || !strings.Contains(kr.Err.Error(), idle.e.own.node) {
+			t.Fatalf("busy node's store %d beside its twin %s, its mount full: %v, %v; want ErrNoSpace naming the twin", i, idle.e.own.node, kr.Outcome, kr.Err)
 		}
 		return
 	}

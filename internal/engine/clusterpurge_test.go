@@ -91,7 +91,7 @@ func TestPurgeOnAClusterMountRemovesEveryNodesFilesOfTheNamespace(t *testing.T) 
 	}
 	for _, n := range []*node{a, b, c} {
 		if got := n.hits(t, append(append(aKeys, bKeys...), cKeys...)); got != 0 {
-			t.Fatalf("node %s finds %d keys of the purged model", n.e.node, got)
+			t.Fatalf("node %s finds %d keys of the purged model", n.e.own.node, got)
 		}
 	}
 	for n, keys := range others {
@@ -153,7 +153,7 @@ func TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown(t *testi
 	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(smallGeometry(true).Fingerprint(), cluster.PurgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(smallGeometry(true).Fingerprint(), cluster.PurgeLimit(a.e.cfg.Now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -239,7 +239,7 @@ func TestAPurgeLeavesAFileWithoutAnOwnerTagThatAnotherNodePins(t *testing.T) {
 	b.tick()
 	for _, n := range []*node{a, b} {
 		if got := n.hits(t, keys); got != 0 {
-			t.Fatalf("node %s finds the purged untagged key", n.e.node)
+			t.Fatalf("node %s finds the purged untagged key", n.e.own.node)
 		}
 	}
 	if n := len(kvFiles(t, dir)); n != 1 {
@@ -293,7 +293,7 @@ func TestAPurgeRecordFarAheadOfTheClockIsNotApplied(t *testing.T) {
 	if _, err := a.e.Purge(ctx, fp); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(fp, cluster.PurgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(fp, cluster.PurgeLimit(a.e.cfg.Now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -344,7 +344,7 @@ func TestAPurgeRecordReachesTheFilesANodeKeepsOnItsOwnMounts(t *testing.T) {
 	if _, err := a.e.Purge(ctx, fp); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(fp, cluster.PurgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(fp, cluster.PurgeLimit(a.e.cfg.Now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -379,7 +379,7 @@ func TestAnAdopterAppliesThePurgeRecordsToADeadNodesFiles(t *testing.T) {
 	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(smallGeometry(true).Fingerprint(), cluster.PurgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(smallGeometry(true).Fingerprint(), cluster.PurgeLimit(a.e.cfg.Now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}

@@ -141,10 +141,10 @@ type PurgeResult struct {
 // (a lookup, a load, its start's walk); another node's files it never
 // found stay. Purge on each node to remove them all.
 func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
-	if err := e.calls.enter(); err != nil {
+	if err := e.busy.calls.enter(); err != nil {
 		return PurgeResult{}, err
 	}
-	defer e.calls.exit()
+	defer e.busy.calls.exit()
 	closed, known := e.tables.known(fp)
 	if closed {
 		return PurgeResult{}, ErrClosed
@@ -170,10 +170,10 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 	if model == "" {
 		return PurgeResult{}, fmt.Errorf("%w: purge of an empty model id", ErrInvalid)
 	}
-	if err := e.calls.enter(); err != nil {
+	if err := e.busy.calls.enter(); err != nil {
 		return PurgeResult{}, err
 	}
-	defer e.calls.exit()
+	defer e.busy.calls.exit()
 	closed, fps := e.tables.fingerprints(model)
 	if closed {
 		return PurgeResult{}, ErrClosed

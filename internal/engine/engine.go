@@ -48,25 +48,18 @@ const (
 //     load.go, delete.go;
 //   - life: recover.go, hold.go, reload.go, engine.go.
 type Engine struct {
-	cfg       Config
-	log       *slog.Logger
-	fs        fsys.FS // Config.FS, watched: its calls in flight are in io
-	pol       policy.Policy
-	ownPolicy bool
-	hitRec    *hitRecorder           // lookup hits, reported off the lookup's path
-	host      *staging.Mover         // the CPU path; its pool is the engine's I/O workers
-	paths     map[region.Kind]string // pathName of each kind with a mover, set with the movers
-	slots     fileSlots              // the files in flight (movers.go)
-	mounts    []*mount
-	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
-	now       func() time.Time
-	node      string // this node's name in temporary file names
-	memory    int64  // the machine's memory (Config.Memory)
+	cfg      Config  // with its defaults set: Logger, Now, Memory and the rest
+	fs       fsys.FS // Config.FS, watched: its calls in flight are in busy.io
+	pol      policyPart
+	host     *staging.Mover         // the CPU path; its pool is the engine's I/O workers
+	paths    map[region.Kind]string // pathName of each kind with a mover, set with the movers
+	slots    fileSlots              // the files in flight (movers.go)
+	mounts   []*mount
+	kvMounts int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	// own: the files of the engine's own names, temporary files, owner
-	// files and the node lock (tempfiles.go, owner.go); dirs: the
-	// directories mkdir knows; bufs: reused buffers (buffers.go).
+	// files, the node lock and the directories mkdir knows (tempfiles.go,
+	// owner.go); bufs: reused buffers (buffers.go).
 	own  *ownFiles
-	dirs *dirCache
 	bufs buffers
 
 	// The engine's state in parts, each with its own lock; the lock
@@ -85,24 +78,10 @@ type Engine struct {
 	// orphans, spares (package space).
 	space *space.Space
 
-	jobs  jobTable      // the jobs in flight (jobs.go)
-	calls callGate      // the calls in flight that are not jobs (calls.go)
-	io    fsys.InFlight // file operations and movers' calls in flight (Activity)
+	busy    inFlight   // the jobs, calls and file operations in flight
+	closing closeState // Close's teardown
+	st      counters   // what the engine counts, for Stats and tests
 
-	// down is closed when Close's teardown has ended (shutdown), downErr
-	// set before; closeUnwind is how long Close waits, once its context
-	// has ended, for the jobs it cancelled and the calls in flight
-	// (defaultCloseUnwind; tests shorten it).
-	down        chan struct{}
-	downErr     error
-	closeUnwind time.Duration
-
-	st       counters
-	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
-	// pathWaits counts the times a store waited for another job holding
-	// its file's path (tests wait for it instead of sleeping).
-	pathWaits  atomic.Int64
-	fails      *failureLog
 	pinTab     pinTable     // client pins and the files they hold open (pins.go, pinfiles.go)
 	hold       *restartHold // the files found at start, pinned for Config.RestartHold (hold.go)
 	tier       *tiering     // moves between mounts, ticks and mount updates (demote.go)
@@ -110,17 +89,50 @@ type Engine struct {
 	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
 	clusterRun clusterLoops // loops of the cluster mounts (cluster.go)
 
-	// evictWaits counts the reservations that found no room below a
-	// mount's high watermark and went to its eviction lock (reserveUsed;
-	// tests wait for it instead of sleeping).
-	evictWaits atomic.Int64
-
 	rm     *remover  // dropping entries, removing files (removal.go)
 	shared sharedDir // the cases of a directory other engines share (shared.go)
 }
 
+// policyPart is the policy the engine calls (a switchPolicy, so that
+// ReplacePolicy can swap what it wraps: reload.go), whether the engine
+// closes it, and the recorder that reports lookup hits off the lookup's
+// path (hits.go).
+type policyPart struct {
+	policy.Policy
+	own    bool
+	hitRec *hitRecorder
+}
+
+// inFlight is what is in flight: the jobs (jobs.go), the calls that are
+// not jobs (calls.go) and the file operations and movers' calls
+// (Activity).
+type inFlight struct {
+	jobs  jobTable
+	calls callGate
+	io    fsys.InFlight
+}
+
+// closeState is Close's: down is closed when Close's teardown has ended
+// (shutdown), err set before; unwind is how long Close waits, once its
+// context has ended, for the jobs it cancelled and the calls in flight
+// (defaultCloseUnwind; tests shorten it).
+type closeState struct {
+	down   chan struct{}
+	err    error
+	unwind time.Duration
+}
+
 type counters struct {
 	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, written, read atomic.Uint64
+	fails                                                                                  *failureLog // the store and load failures, logged at most once an interval
+
+	// verifyIv is Config.VerifyInterval, changed by SetVerifyInterval.
+	verifyIv atomic.Int64
+	// pathWaits counts the times a store waited for another job holding
+	// its file's path; evictWaits, the reservations that found no room
+	// below a mount's high watermark and went to its eviction lock
+	// (reserveUsed). Tests wait for them instead of sleeping.
+	pathWaits, evictWaits atomic.Int64
 
 	// ended counts the jobs finished (Activity); scanned, the files a
 	// cluster adoption walk read.
@@ -164,29 +176,23 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if cfg.TempGrace <= 0 {
 		cfg.TempGrace = DefaultTempGrace
 	}
+	cfg.Memory = machineMemory(cfg.Memory)
 	e := &Engine{
-		cfg:    cfg,
-		log:    cfg.Logger,
-		now:    cfg.Now,
-		node:   nodeName(cfg.NodeID),
-		memory: machineMemory(cfg.Memory),
-		fails:  &failureLog{log: cfg.Logger, interval: 10 * time.Second},
-		space:  space.New(),
-		calls:  newCallGate(),
-		down:   make(chan struct{}),
-
-		closeUnwind: defaultCloseUnwind,
+		cfg:     cfg,
+		space:   space.New(),
+		busy:    inFlight{calls: newCallGate()},
+		closing: closeState{down: make(chan struct{}), unwind: defaultCloseUnwind},
 	}
-	e.fs = fsys.Watched(cfg.FS, &e.io)
+	e.st.fails = &failureLog{log: cfg.Logger, interval: 10 * time.Second}
+	e.fs = fsys.Watched(cfg.FS, &e.busy.io)
 	e.ix = index.NewIndex(e.space.Counts())
-	e.rm = &remover{ix: e.ix, fs: e.fs, log: e.log, now: e.now, host: e}
+	e.rm = &remover{ix: e.ix, fs: e.fs, log: e.cfg.Logger, now: e.cfg.Now, host: e}
 	e.shared = sharedDir{e}
-	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.now, e.access, DefaultMaxPinnedOpen()
+	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.cfg.Now, e.access, DefaultMaxPinnedOpen()
 	e.tables = newTables(cfg.MaxNamespaces, e.ix.Holds)
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
-	e.dirs = newDirCache(e.fs, cfg.Fsync)
-	e.own = &ownFiles{fs: e.fs, log: e.log, now: e.now, grace: cfg.TempGrace, node: e.node, token: newToken(), dirs: e.dirs, rm: e.rm,
+	e.own = &ownFiles{fs: e.fs, log: e.cfg.Logger, now: e.cfg.Now, grace: cfg.TempGrace, node: nodeName(cfg.NodeID), token: newToken(), dirs: newDirCache(e.fs, cfg.Fsync), rm: e.rm,
 		sp: e.space, eligible: e.spareEligible, reused: &e.st.reused}
 	if cfg.LockFile != "" {
 		if err := e.own.lockNode(cfg.LockFile); err != nil {
@@ -265,17 +271,17 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
-	e.pol = cfg.Policy
-	if e.pol == nil {
-		if e.pol, err = cfg.NewPolicy(e.Index()); err != nil {
+	e.pol.Policy = cfg.Policy
+	if e.pol.Policy == nil {
+		if e.pol.Policy, err = cfg.NewPolicy(e.Index()); err != nil {
 			pool.Close()
 			return nil, fmt.Errorf("%w: new policy: %w", ErrPolicy, err)
 		}
-		e.ownPolicy = true
+		e.pol.own = true
 	}
-	e.pol, e.ownPolicy = newSwitchPolicy(e.pol, e.ownPolicy), true // ReplacePolicy
-	e.tier.pol = e.pol
-	e.verifyIv.Store(int64(cfg.VerifyInterval))
+	e.pol.Policy, e.pol.own = newSwitchPolicy(e.pol.Policy, e.pol.own), true // ReplacePolicy
+	e.tier.pol = e.pol.Policy
+	e.st.verifyIv.Store(int64(cfg.VerifyInterval))
 	e.reportMounts()
 	e.restore(ctx)
 	// Before the cluster's first count, which may evict this node's files.
@@ -285,15 +291,15 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
-	e.hitRec = newHitRecorder(e)
-	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, &e.st.made, e.log)
+	e.pol.hitRec = newHitRecorder(e)
+	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, &e.st.made, e.cfg.Logger)
 	e.maker.start()
-	e.tier.start(ctx, e.hitRec, e.maker)
+	e.tier.start(ctx, e.pol.hitRec, e.maker)
 	e.warm = startWarmer(e.mounts, e.ix, e.openRegular)
 	e.clusterRun.Start(ctx, clusters(e.mounts))
 	ok = true
 	st := e.Stats()
-	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
+	e.cfg.Logger.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
 	return e, nil
 }
 
@@ -304,7 +310,7 @@ func (e *Engine) Stats() Stats {
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.rm.vanished.Load(), RemoveFailures: e.rm.failures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
 		PinnedFilesOpen: e.pinTab.open.Load(), PinnedFilesUnopened: e.pinTab.unopened.Load(),
-		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
+		StoreFailures: e.st.fails.stats(0), LoadFailures: e.st.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.Size()
 	s.Namespaces = e.tables.stats(e.ix.FingerprintCounts())
@@ -348,30 +354,30 @@ const defaultCloseUnwind = 5 * time.Second
 // own ctx) for that and returns the close's outcome.
 func (e *Engine) Close(ctx context.Context) error {
 	if e.tables.close(e.space.Close) { // no spare kept or made from now on
-		e.jobs.close()
-		e.calls.close()
+		e.busy.jobs.close()
+		e.busy.calls.close()
 		go e.shutdown()
 	}
 	select {
-	case <-e.down:
-		return e.downErr
+	case <-e.closing.down:
+		return e.closing.err
 	case <-ctx.Done():
 	}
-	e.jobs.cancelAll()
-	unwind := time.NewTimer(e.closeUnwind)
+	e.busy.jobs.cancelAll()
+	unwind := time.NewTimer(e.closing.unwind)
 	defer unwind.Stop()
 	select {
-	case <-e.down:
-		return errors.Join(ctx.Err(), e.downErr)
+	case <-e.closing.down:
+		return errors.Join(ctx.Err(), e.closing.err)
 	case <-unwind.C:
 	}
 	a := e.Activity()
-	calls := e.calls.inFlight()
+	calls := e.busy.calls.inFlight()
 	args := []any{"jobs", a.Jobs, "calls", calls}
 	if !a.OldestIO.IsZero() {
 		args = append(args, "oldest_io", time.Since(a.OldestIO).Round(time.Millisecond).String())
 	}
-	e.log.Error("engine: close gave up waiting for what is still in flight (a hung file system?); the engine closes, and lets go of its node lock, once they return", args...)
+	e.cfg.Logger.Error("engine: close gave up waiting for what is still in flight (a hung file system?); the engine closes, and lets go of its node lock, once they return", args...)
 	return fmt.Errorf("engine: close: %w (jobs: %d, calls: %d; or the engine's background work): %w", ErrInFlight, a.Jobs, calls, ctx.Err())
 }
 
@@ -379,8 +385,8 @@ func (e *Engine) Close(ctx context.Context) error {
 // flight, then closes the engine's parts, sets downErr and closes down.
 func (e *Engine) shutdown() {
 	start := time.Now()
-	e.jobs.wg.Wait()
-	<-e.calls.idle
+	e.busy.jobs.wg.Wait()
+	<-e.busy.calls.idle
 	e.pinTab.close()
 	e.hold.release(false)
 	e.tier.stop()
@@ -389,16 +395,16 @@ func (e *Engine) shutdown() {
 	e.clusterRun.Close(clusters(e.mounts))
 	e.own.dropSpares(e.mounts)
 	e.own.closeOwners() // after the spares: none is left for another engine to find live
-	e.hitRec.close()
+	e.pol.hitRec.close()
 	e.host.Close()
 	var err error
-	if e.ownPolicy {
+	if e.pol.own {
 		err = e.pol.Close(context.Background())
 	}
 	e.own.unlockNode()
-	e.downErr = err
-	close(e.down)
-	e.log.Debug("engine: closed", "took", time.Since(start))
+	e.closing.err = err
+	close(e.closing.down)
+	e.cfg.Logger.Debug("engine: closed", "took", time.Since(start))
 }
 
 // check returns the first broken invariant of the engine's parts: the

@@ -745,12 +745,12 @@ func TestCancelAndClose(t *testing.T) {
 	// job (at its deadline): let go sooner, the store could publish
 	// before the cancellation, as a loaded machine's scheduler may run it.
 	var release sync.Once
-	e.jobs.mu.Lock()
-	for _, jj := range e.jobs.jobs {
+	e.busy.jobs.mu.Lock()
+	for _, jj := range e.busy.jobs.jobs {
 		cancelJob := jj.cancel
 		jj.cancel = func() { cancelJob(); release.Do(func() { close(bfs.release) }) }
 	}
-	e.jobs.mu.Unlock()
+	e.busy.jobs.mu.Unlock()
 	closeCtx, ccancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer ccancel()
 	if err := e.Close(closeCtx); !errors.Is(err, context.DeadlineExceeded) {

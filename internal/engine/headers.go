@@ -98,7 +98,7 @@ func (e *shortFileError) Unwrap() error { return ErrCorrupt }
 // and identity id.
 func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
 	en := &entry{FP: h.Fingerprint, Mount: mnt, Path: path, Size: id.Size, Ident: id, FID: h.ID, Last: id.Mtime}
-	en.Verified.Store(e.now().UnixNano())
+	en.Verified.Store(e.cfg.Now().UnixNano())
 	for _, k := range h.Keys {
 		en.Keys = append(en.Keys, string(k.Key))
 	}

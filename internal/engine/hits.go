@@ -96,7 +96,7 @@ func (e *Engine) access(ctx context.Context, recs []abi.AccessRecord) {
 	for len(recs) > 0 {
 		n := min(len(recs), abi.MaxBatch)
 		if err := e.pol.Access(context.WithoutCancel(ctx), recs[:n]); err != nil {
-			e.log.Warn("engine: policy access", "err", err)
+			e.cfg.Logger.Warn("engine: policy access", "err", err)
 		}
 		recs = recs[n:]
 	}

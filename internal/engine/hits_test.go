@@ -34,7 +34,7 @@ func TestLookupHitsReachThePolicy(t *testing.T) {
 	if n, _ := e.Lookup(ctx, ns, keys[:1]); n != 1 {
 		t.Fatal("lookup missed")
 	}
-	e.hitRec.flush() // what an eviction does first
+	e.pol.hitRec.flush() // what an eviction does first
 	v, err := pol.Victims(ctx, abi.EvictRequest{Mount: abi.AnyMount}, 1)
 	if err != nil || len(v) != 1 {
 		t.Fatalf("victims %v %v", v, err)
@@ -58,7 +58,7 @@ func TestLookupHitsReachThePolicy(t *testing.T) {
 	if hit <= stored {
 		t.Fatalf("key 1: policy time %d after Close, stored at %d: the pending hit was lost", hit, stored)
 	}
-	if e.hitRec.pending != nil {
-		t.Fatalf("%d hits still pending after Close", len(e.hitRec.pending))
+	if e.pol.hitRec.pending != nil {
+		t.Fatalf("%d hits still pending after Close", len(e.pol.hitRec.pending))
 	}
 }

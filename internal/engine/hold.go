@@ -52,7 +52,7 @@ type accessor interface {
 
 // newRestartHold is the restart hold of e, whose tiering part is made.
 func newRestartHold(e *Engine) *restartHold {
-	return &restartHold{log: e.log, now: e.now, ix: e.ix, space: e.space, tier: e.tier, events: e}
+	return &restartHold{log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, tier: e.tier, events: e}
 }
 
 // start pins every indexed entry for d and tells the policy

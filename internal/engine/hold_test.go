@@ -465,7 +465,7 @@ func TestRestartHoldDemotesHeldFilesToMakeRoom(t *testing.T) {
 			}
 			// The policy was told one pin per held file, on the file
 			// where it is now: the moved ones' copies, the others' own.
-			h := e.pol.(*switchPolicy).acquire()
+			h := e.pol.Policy.(*switchPolicy).acquire()
 			pins := h.pinCounts()
 			h.calls.Done()
 			e.ix.Each(func(en *entry) {

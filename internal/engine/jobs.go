@@ -99,7 +99,7 @@ func (t *jobTable) cancelAll() {
 
 func (e *Engine) newJob(ctx context.Context, kind string, n int) (*Job, context.Context, error) {
 	ctx, cancel := context.WithCancel(ctx)
-	j, err := e.jobs.add(kind, n, cancel)
+	j, err := e.busy.jobs.add(kind, n, cancel)
 	if err != nil {
 		cancel()
 		return nil, nil, err
@@ -116,15 +116,15 @@ func (e *Engine) finish(j *Job) {
 		}
 		if j.res.Keys[i].Outcome == OutcomeFailed {
 			e.st.failures.Add(1)
-			e.fails.add(j.kind, j.res.Keys[i].Err, time.Now())
+			e.st.fails.add(j.kind, j.res.Keys[i].Err, time.Now())
 		}
 	}
-	e.jobs.remove(j)
+	e.busy.jobs.remove(j)
 	e.st.ended.Add(1)
 	e.observe(j)
 	j.cancel()
 	close(j.done)
-	e.jobs.wg.Done()
+	e.busy.jobs.wg.Done()
 }
 
 // Activity is what the data path is doing: enough for a watchdog to tell
@@ -152,12 +152,12 @@ func (e *Engine) Activity() Activity {
 	a := Activity{
 		Moved: e.st.written.Load() + e.st.read.Load() + e.st.evictions.Load() + e.st.ended.Load() + e.st.scanned.Load() +
 			e.tier.moved(),
-		OldestIO: e.io.Oldest(),
+		OldestIO: e.busy.io.Oldest(),
 	}
-	e.jobs.mu.Lock()
-	defer e.jobs.mu.Unlock()
-	a.Jobs = len(e.jobs.jobs)
-	for _, j := range e.jobs.jobs {
+	e.busy.jobs.mu.Lock()
+	defer e.busy.jobs.mu.Unlock()
+	a.Jobs = len(e.busy.jobs.jobs)
+	for _, j := range e.busy.jobs.jobs {
 		if a.Oldest.IsZero() || j.start.Before(a.Oldest) {
 			a.Oldest = j.start
 		}

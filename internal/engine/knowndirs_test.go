@@ -12,7 +12,7 @@ import (
 // knownDirs counts the directories e's mkdir remembers (Engine.dirs).
 func knownDirs(e *Engine) int64 {
 	var n int64
-	e.dirs.known.Range(func(any, any) bool { n++; return true })
+	e.own.dirs.known.Range(func(any, any) bool { n++; return true })
 	return n
 }
 
@@ -58,7 +58,7 @@ func TestTheEngineForgetsDirectoriesPastItsBound(t *testing.T) {
 
 	// Directories 0, 1 and 2 were forgotten (the bound is below dirs).
 	for i := range 3 {
-		if _, ok := e.dirs.known.Load(filepath.Join(dir, filepath.Dir(name(i)))); ok {
+		if _, ok := e.own.dirs.known.Load(filepath.Join(dir, filepath.Dir(name(i)))); ok {
 			t.Fatalf("%s is still remembered", filepath.Dir(name(i)))
 		}
 	}

@@ -48,10 +48,10 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	for i, k := range keys {
 		// The index's entry is found and pinned in one hold of the lock
 		// (every load takes it); a key it lacks is looked for on disk.
-		en, pinned := e.ix.PinKey(ns.fp, k, dup, e.now().UnixNano(), &pins)
+		en, pinned := e.ix.PinKey(ns.fp, k, dup, e.cfg.Now().UnixNano(), &pins)
 		if en == nil {
 			if en = e.shared.discover(ctx, ns, k); en != nil {
-				en, pinned = e.ix.PinFound(en, k, dup, e.now().UnixNano(), &pins)
+				en, pinned = e.ix.PinFound(en, k, dup, e.cfg.Now().UnixNano(), &pins)
 			}
 		}
 		if !pinned {
@@ -88,7 +88,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	loaded := func(en *entry) bool {
 		return slices.ContainsFunc(byEntry[en], func(i int) bool { return j.res.Keys[i].Outcome == OutcomeLoaded })
 	}
-	e.access(ctx, e.ix.UnpinLoad(order, loaded, e.now().UnixNano()))
+	e.access(ctx, e.ix.UnpinLoad(order, loaded, e.cfg.Now().UnixNano()))
 }
 
 // loadFile reads the keys idx (request indices) from en's file into their
@@ -122,7 +122,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	defer f.Close()
 	corrupt := func(err error) {
 		e.st.corrupt.Add(1)
-		e.log.Warn("engine: corrupt file dropped", "path", en.Path, "err", err)
+		e.cfg.Logger.Warn("engine: corrupt file dropped", "path", en.Path, "err", err)
 		e.rm.drop(ctx, en, true, "corrupt")
 		// Nor is a file its client pins hold open read again: later
 		// loads miss, as they do where no pin held it.
@@ -220,14 +220,14 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if check {
 		sums = make([]uint32, plan.Sums)
 	}
-	io := e.io.Begin()
+	io := e.busy.io.Begin()
 	_, err = mv.ReadFile(ctx, f, plan, sums)
 	if err == nil && check {
 		// The bytes of blocks not loaded (NoBlock) still feed their
 		// keys' checksums, which cover whole keys.
 		err = sk.read(ctx, f, sums)
 	}
-	e.io.End(io)
+	e.busy.io.End(io)
 	if err != nil {
 		ok := true
 		if isShort(err) {

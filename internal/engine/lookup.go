@@ -76,7 +76,7 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 		var id fsys.Identity
 		if id, err = fsys.IdentityOf(fi); err == nil {
 			if id.Same(en.Ident) {
-				en.Verified.Store(e.now().UnixNano())
+				en.Verified.Store(e.cfg.Now().UnixNano())
 				return true
 			}
 			err = errReplaced
@@ -88,7 +88,7 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 // recentlyVerified reports whether en's file was checked within
 // Config.VerifyInterval of now (Unix nanoseconds).
 func (e *Engine) recentlyVerified(en *entry, now int64) bool {
-	iv := e.verifyIv.Load()
+	iv := e.st.verifyIv.Load()
 	return iv > 0 && now-en.Verified.Load() < iv
 }
 
@@ -125,7 +125,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		}
 		return slices.Contains(hit, en)
 	}
-	now := e.now().UnixNano()
+	now := e.cfg.Now().UnixNano()
 	stored := len(keys)
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
@@ -170,7 +170,7 @@ func (e *Engine) countHits(ctx context.Context, hit []*entry, now int64) {
 	if len(hit) == 0 {
 		return
 	}
-	e.hitRec.add(ctx, e.ix.Hit(hit, now))
+	e.pol.hitRec.add(ctx, e.ix.Hit(hit, now))
 }
 
 // MirrorKeys tells ks every key the index holds now and, from then on,

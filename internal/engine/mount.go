@@ -218,7 +218,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if io != IOAuto && io != IODirect && io != IOBuffered {
 		return nil, fmt.Errorf("%w: mount %s: io %q: want %q, %q or %q", ErrInvalid, root, m.IO, IOAuto, IODirect, IOBuffered)
 	}
-	if err := e.dirs.mkdir(nil, root, true); err != nil {
+	if err := e.own.dirs.mkdir(nil, root, true); err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	st, err := e.fs.Statfs(root)
@@ -277,7 +277,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// I/O makes before it fails the open with EINVAL.
 		if made {
 			if rerr := e.rm.removeFile(mt, probe, fsys.Identity{}); rerr != nil && mt.unwritable == nil {
-				e.log.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
+				e.cfg.Logger.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
 			}
 		}
 		switch {
@@ -287,7 +287,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 			mt.ioWhy = "buffered: the O_DIRECT probe could not make a file: " + err.Error()
 		case err != nil:
 			mt.ioWhy = "buffered: the O_DIRECT probe failed: " + err.Error()
-			e.log.Warn("engine: O_DIRECT probe failed; buffered I/O on the mount", "mount", root, "err", err)
+			e.cfg.Logger.Warn("engine: O_DIRECT probe failed; buffered I/O on the mount", "mount", root, "err", err)
 		case !direct && io == IODirect:
 			return nil, fmt.Errorf("%w: mount %s: io = %q, but the file system refuses O_DIRECT", ErrInvalid, root, IODirect)
 		case !direct:
@@ -310,7 +310,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		if err != nil {
 			// Small folios: stores cut as on any tmpfs, still correct,
 			// but slower on huge pages the kernel gives unseen.
-			e.log.Info("engine: the mount's huge pages are unknown; stores write as on small pages", "mount", root, "err", err)
+			e.cfg.Logger.Info("engine: the mount's huge pages are unknown; stores write as on small pages", "mount", root, "err", err)
 		}
 		mt.folio = folio
 	}
@@ -327,12 +327,12 @@ func (e *Engine) refreshCapacity(m *mount, force bool) {
 // refreshCapacityLess is refreshCapacity where notOnDisk bytes of the
 // mount's used hold nothing on the file system (Space.Refresh).
 func (e *Engine) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
-	if !e.space.RefreshDue(m.sp, e.now(), force) {
+	if !e.space.RefreshDue(m.sp, e.cfg.Now(), force) {
 		return
 	}
 	st, err := e.fs.Statfs(m.root)
 	if err != nil {
-		e.log.Warn("engine: statfs", "mount", m.root, "err", err)
+		e.cfg.Logger.Warn("engine: statfs", "mount", m.root, "err", err)
 		return
 	}
 	e.space.Refresh(m.sp, st, notOnDisk)
@@ -344,7 +344,7 @@ func (e *Engine) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
 // where the configured capacity is more than the file system can hold.
 func (e *Engine) reportMounts() {
 	for i, m := range e.mounts {
-		m.desc = describeMount(e.fs, e.log, m, e.cfg.Mounts[i].DeviceClass)
+		m.desc = describeMount(e.fs, e.cfg.Logger, m, e.cfg.Mounts[i].DeviceClass)
 		e.refreshCapacity(m, true)
 		used, capacity := e.space.Usage(m.sp)
 		// The budget is settled once, from the capacity at Open: 0 where
@@ -355,13 +355,13 @@ func (e *Engine) reportMounts() {
 		switch {
 		case !e.spareEligible(m):
 			if ahead > 0 && m.unwritable == nil {
-				e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on and no cluster_capacity",
+				e.cfg.Logger.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on and no cluster_capacity",
 					"mount", m.root, "preallocate", ahead)
 			}
 			ahead = 0
 		case auto:
-			ahead, files = AutoPreallocate(capacity, e.memory), MaxAutoSpareFiles
-			most = AutoPreallocateMax(capacity, e.memory)
+			ahead, files = AutoPreallocate(capacity, e.cfg.Memory), MaxAutoSpareFiles
+			most = AutoPreallocateMax(capacity, e.cfg.Memory)
 		}
 		e.space.SetAhead(m.sp, ahead, files, most)
 		configured, reserve, derived := m.sp.Configured()
@@ -372,13 +372,13 @@ func (e *Engine) reportMounts() {
 		if m.desc.configured {
 			from = "configured"
 		}
-		e.log.Info("engine: mount", "mount", m.root, "device_class", className(m.desc.class), "device_class_from", from,
+		e.cfg.Logger.Info("engine: mount", "mount", m.root, "device_class", className(m.desc.class), "device_class_from", from,
 			"fs", fsName, "fs_magic", fmt.Sprintf("%#x", m.desc.fsType), "direct_io", m.direct, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
 			"checksums", m.checksums, "fsync_before_rename", e.cfg.Fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", reserve, "preallocate", ahead, "preallocate_auto", auto, "preallocate_max", max(ahead, most))
 		switch {
 		case e.warnRefusing(m, fsName, capacity):
 		case configured > capacity && !derived:
-			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
+			e.cfg.Logger.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", configured, "effective", capacity, "reserve", reserve)
 		}
 	}
@@ -396,11 +396,11 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 	switch {
 	case errors.Is(m.unwritable, syscall.EROFS):
 		why = "read-only file system"
-		e.log.Warn("engine: the mount is on a read-only file system: every store there fails"+loads,
+		e.cfg.Logger.Warn("engine: the mount is on a read-only file system: every store there fails"+loads,
 			"mount", m.root, "fs", fsName, "fix", "remount it read-write (mount -o remount,rw), or name a directory on a writable file system")
 	case m.unwritable != nil:
 		why = "cannot make files: " + m.unwritable.Error()
-		e.log.Warn("engine: the daemon's user cannot make files on the mount: every store there fails"+loads,
+		e.cfg.Logger.Warn("engine: the daemon's user cannot make files on the mount: every store there fails"+loads,
 			"mount", m.root, "fs", fsName, "err", m.unwritable, "fix", "give the daemon's user write access to the directory (chown, or run the daemon as its owner)")
 	case capacity <= 0:
 		var avail int64
@@ -410,13 +410,13 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 		configured, reserve, _ := m.sp.Configured()
 		room = probeBytes
 		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, reserve)
-		e.log.Warn("engine: the mount has no room: every store there fails until it has"+loads,
+		e.cfg.Logger.Warn("engine: the mount has no room: every store there fails until it has"+loads,
 			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", reserve, "configured", configured,
 			"fix", noRoomFix)
 	default:
 		return false
 	}
-	m.refuse(why+" (found at start)", room, 0, e.now())
+	m.refuse(why+" (found at start)", room, 0, e.cfg.Now())
 	return true
 }
 
@@ -471,7 +471,7 @@ func (e *Engine) tookFile(m *mount) {
 	}
 	if e.spareCapable(m) {
 		e.own.openOwner(m)
-		e.log.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
+		e.cfg.Logger.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
 	}
 	m.spareless.Store(false)
 }

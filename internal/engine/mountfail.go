@@ -65,7 +65,7 @@ func (e *Engine) storeEnded(m *mount, size int64, err error) {
 	if errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 		room = max(size, 1)
 	}
-	m.refuse(err.Error(), room, 1, e.now())
+	m.refuse(err.Error(), room, 1, e.cfg.Now())
 }
 
 // refuse starts m's StoreFailure, or extends the one it has, with a
@@ -113,7 +113,7 @@ const (
 // operator has mended it (RATIONALE.md, "Why does the engine probe a
 // mount that refuses stores?"). Only the tier driver calls it.
 func (e *Engine) reprobe() {
-	now := e.now()
+	now := e.cfg.Now()
 	for _, m := range e.mounts {
 		f := m.failing.Load()
 		if f == nil || now.Sub(f.Last) < reprobeAfter || now.Sub(m.probed) < reprobeAfter {
@@ -126,12 +126,12 @@ func (e *Engine) reprobe() {
 		err := e.takesFiles(m, f.room)
 		m.evictMu.Unlock()
 		if err != nil {
-			e.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
+			e.cfg.Logger.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
 			continue
 		}
 		e.tookFile(m)
 		if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
-			e.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
+			e.cfg.Logger.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
 		}
 	}
 }

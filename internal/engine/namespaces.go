@@ -66,10 +66,10 @@ func (t *tables) isClosed() bool {
 // geometry again returns the same id while it is declared or has files. A new geometry beyond
 // Config.MaxNamespaces declared and not released is refused with ErrLimit.
 func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
-	if err := e.calls.enter(); err != nil {
+	if err := e.busy.calls.enter(); err != nil {
 		return 0, err
 	}
-	defer e.calls.exit()
+	defer e.busy.calls.exit()
 	if err := g.Validate(); err != nil {
 		return 0, err
 	}
@@ -93,7 +93,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	} else if e.kvMounts == 0 {
 		return 0, fmt.Errorf("%w: namespace %q: every mount is a vllm-fs mount serving its own namespace, and none serves this one", ErrInvalid, g.Model)
 	}
-	if sp, ok := e.pol.(*switchPolicy); ok {
+	if sp, ok := e.pol.Policy.(*switchPolicy); ok {
 		// A policy swap waits for this declaration to be marked, so
 		// that the new policy is told of it (ReplacePolicy).
 		sp.declMu.RLock()
@@ -116,7 +116,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	if err != nil {
 		// The client sees the error; the operator must too (a plugin
 		// whose shards choose different layouts refuses every model).
-		e.log.Warn("engine: the policy refused a namespace", "ns", d.id, "model", g.Model, "err", err)
+		e.cfg.Logger.Warn("engine: the policy refused a namespace", "ns", d.id, "model", g.Model, "err", err)
 		err = fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
 	} else if lm != nil {
 		// The layout decides: one row per file, in the row's order.
@@ -136,7 +136,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		if lm != nil {
 			where = LayoutVLLMFS + " " + lm.root
 		}
-		e.log.Info("engine: namespace declared", "ns", d.id, "model", g.Model, "fingerprint", fmt.Sprintf("%016x", ns.fp),
+		e.cfg.Logger.Info("engine: namespace declared", "ns", d.id, "model", g.Model, "fingerprint", fmt.Sprintf("%016x", ns.fp),
 			"tp_rank", g.TPRank, "tp_size", g.TPSize, "key_bytes", g.KeyBytes(), "layout", where)
 		return e.maker.predict(ns)
 	})
@@ -260,10 +260,10 @@ func fingerprintCollision(g Geometry, fp uint64, id NamespaceID, other Geometry)
 // returned, and with ErrInvalid while caches of the namespace are still
 // registered. Releasing a released namespace does nothing.
 func (e *Engine) Release(ns NamespaceID) error {
-	if err := e.calls.enter(); err != nil {
+	if err := e.busy.calls.enter(); err != nil {
 		return err
 	}
-	defer e.calls.exit()
+	defer e.busy.calls.exit()
 	work, err := e.tables.release(ns, e.maker.forget) // its share of the spares goes to the others
 	e.maker.wake(work)
 	return err

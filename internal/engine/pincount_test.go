@@ -74,7 +74,7 @@ func TestAPinOvertakenByItsEntrysRemovalIsNotKept(t *testing.T) {
 	if pins, keys := e.PinStats(); pins != 0 || keys != 0 {
 		t.Fatalf("client pins: %d, %d keys", pins, keys)
 	}
-	if pins := e.pol.(*switchPolicy).cur.pinCounts(); len(pins) != 0 {
+	if pins := e.pol.Policy.(*switchPolicy).cur.pinCounts(); len(pins) != 0 {
 		t.Fatalf("the load has ended and nothing is pinned, yet the engine counts pins told to the policy (entry: count): %v", pins)
 	}
 }

@@ -145,7 +145,7 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 		e.pinTab.closeSlot()
 		return e.judgeCheck(ctx, en, err)
 	}
-	en.Verified.Store(e.now().UnixNano())
+	en.Verified.Store(e.cfg.Now().UnixNano())
 	e.pinTab.holdOpen(en, f)
 	return true
 }
@@ -168,7 +168,7 @@ func (e *Engine) judgeCheck(ctx context.Context, en *entry, err error) bool {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, syscall.ELOOP):
 	default:
 		// Cannot tell (EIO, EACCES...): a miss for now, but keep the entry.
-		e.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
+		e.cfg.Logger.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
 		return false
 	}
 	e.rm.dropVanished(ctx, en, why)

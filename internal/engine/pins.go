@@ -102,7 +102,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			pinned++
 		}
 	}
-	recs := e.ix.HitPinned(order, e.now().UnixNano())
+	recs := e.ix.HitPinned(order, e.cfg.Now().UnixNano())
 	e.st.hits.Add(uint64(pinned))
 	e.st.misses.Add(uint64(len(keys) - pinned))
 	e.access(ctx, recs)
@@ -143,10 +143,10 @@ func (t *pinTable) add(order []*entry, keys int, lease time.Duration, expire fun
 // Unpin releases a pin and returns how many keys it held; 0 if id is not
 // a pin (any more: released, or its lease ended).
 func (e *Engine) Unpin(ctx context.Context, id PinID) int {
-	if e.calls.enter() != nil {
+	if e.busy.calls.enter() != nil {
 		return 0 // Close releases every pin
 	}
-	defer e.calls.exit()
+	defer e.busy.calls.exit()
 	return e.pinTab.remove(ctx, id)
 }
 

@@ -72,7 +72,7 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 		}
 		return true, left, ioError(m, op+"publish", err)
 	}
-	en.Verified.Store(e.now().UnixNano())
+	en.Verified.Store(e.cfg.Now().UnixNano())
 	return true, nil, nil
 }
 

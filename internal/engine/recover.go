@@ -52,7 +52,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					corrupt++
 				case err != nil:
 					skipped++
-					e.log.Debug("engine: rebuild: skipping file", "path", it.path, "err", err)
+					e.cfg.Logger.Debug("engine: rebuild: skipping file", "path", it.path, "err", err)
 				default:
 					found = append(found, en)
 				}
@@ -101,7 +101,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					// ended (or, named before owners, of one that will
 					// find it gone and write a fresh file instead).
 					if err := e.rm.removeFile(e.mounts[mount], path, fsys.Identity{}); err != nil {
-						e.log.Warn("engine: leftover spare file", "path", path, "err", err)
+						e.cfg.Logger.Warn("engine: leftover spare file", "path", path, "err", err)
 					} else {
 						cleaned.Add(1)
 					}
@@ -113,7 +113,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 				}
 				removed, err := e.own.cleanTemp(e.mounts[mount], path, rest)
 				if err != nil {
-					e.log.Warn("engine: leftover temporary file", "path", path, "err", err)
+					e.cfg.Logger.Warn("engine: leftover temporary file", "path", path, "err", err)
 				}
 				if removed {
 					cleaned.Add(1)
@@ -183,7 +183,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			e.sharedWithoutBound(e.mounts[i], int(n))
 		}
 	}
-	e.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
+	e.cfg.Logger.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
 	return nil
 }
 
@@ -222,9 +222,9 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
 		return false
 	}
-	e.log.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
+	e.cfg.Logger.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
 	if err := e.rm.removeFile(m, path, id); err != nil {
-		e.log.Warn("engine: remove corrupt file", "path", path, "err", err)
+		e.cfg.Logger.Warn("engine: remove corrupt file", "path", path, "err", err)
 	}
 	return true
 }
@@ -237,7 +237,7 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 // keeps as a spare: a load of a key another engine's client pinned fails
 // where this engine evicted its file first, which stops vLLM's worker.
 func (e *Engine) sharedWithoutBound(m *mount, n int) {
-	e.log.Warn(SharedDirectoryWarning, "mount", m.root, "other_engines", n)
+	e.cfg.Logger.Warn(SharedDirectoryWarning, "mount", m.root, "other_engines", n)
 }
 
 // SharedDirectoryWarning is the message Open logs, at warning level, for

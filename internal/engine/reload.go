@@ -35,11 +35,11 @@ import (
 // victim, which the engine skips, and an eviction offered only pinned
 // entries frees nothing.
 func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index) (policy.Policy, error)) error {
-	if err := e.calls.enter(); err != nil {
+	if err := e.busy.calls.enter(); err != nil {
 		return err
 	}
-	defer e.calls.exit()
-	sp, ok := e.pol.(*switchPolicy)
+	defer e.busy.calls.exit()
+	sp, ok := e.pol.Policy.(*switchPolicy)
 	if !ok {
 		return fmt.Errorf("%w: the engine's policy cannot be replaced", ErrInvalid)
 	}
@@ -56,14 +56,14 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 	old, err := e.catchUpAndSwap(ctx, sp, p, view)
 	if err != nil {
 		if cerr := p.Close(context.WithoutCancel(ctx)); cerr != nil {
-			e.log.Warn("engine: closing the policy that failed to catch up", "err", cerr)
+			e.cfg.Logger.Warn("engine: closing the policy that failed to catch up", "err", cerr)
 		}
 		return fmt.Errorf("%w: new policy: %w", ErrPolicy, err)
 	}
 	old.calls.Wait()
 	if old.owned {
 		if err := old.p.Close(context.WithoutCancel(ctx)); err != nil {
-			e.log.Warn("engine: closing the replaced policy", "err", err)
+			e.cfg.Logger.Warn("engine: closing the replaced policy", "err", err)
 		}
 	}
 	return nil
@@ -184,7 +184,7 @@ func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRe
 	v.done = true
 	var recs, pinRecs []abi.AccessRecord
 	pins := map[uint64]int{}
-	now := e.now().UnixNano()
+	now := e.cfg.Now().UnixNano()
 	indexed := map[uint64]bool{}
 	e.ix.Each(func(en *entry) {
 		indexed[en.ID] = true
@@ -209,7 +209,7 @@ func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRe
 
 // SetVerifyInterval changes Config.VerifyInterval of a running engine.
 func (e *Engine) SetVerifyInterval(d time.Duration) {
-	e.verifyIv.Store(int64(max(d, 0)))
+	e.st.verifyIv.Store(int64(max(d, 0)))
 }
 
 // heldPolicy is a policy, the calls it is serving and the pins it was

@@ -95,7 +95,7 @@ func (f *failFirstWrite) Inject(op fsys.Op, _ string) fsys.Fault {
 // catch a store that reports another job's file before that job is done.
 func settle(t *testing.T, e *Engine, n int64) {
 	t.Helper()
-	testwait.Until(t, fmt.Sprintf("%d stores to wait for the path", n), testwait.Hang, func() bool { return e.pathWaits.Load() >= n })
+	testwait.Until(t, fmt.Sprintf("%d stores to wait for the path", n), testwait.Hang, func() bool { return e.st.pathWaits.Load() >= n })
 }
 
 // TestStoreWaitsForWriter: a store whose file's path another job is writing

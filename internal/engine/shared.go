@@ -39,16 +39,16 @@ func (s sharedDir) discover(ctx context.Context, ns *namespace, key []byte) *ent
 	en, err := s.e.readEntry(mounts[0], paths[0])
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
-			s.e.log.Debug("engine: not a match", "path", paths[0], "err", err)
+			s.e.cfg.Logger.Debug("engine: not a match", "path", paths[0], "err", err)
 		}
 		return nil
 	}
 	if _, err := matchKey(en, ns.fp, key); err != nil {
-		s.e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
+		s.e.cfg.Logger.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
 		return nil
 	}
-	if purgedOnCluster(s.e.mounts, s.e.now(), en) { // its node removes it at its next interval
-		s.e.log.Debug("engine: file of a purged namespace, written before the purge", "path", paths[0])
+	if purgedOnCluster(s.e.mounts, s.e.cfg.Now(), en) { // its node removes it at its next interval
+		s.e.cfg.Logger.Debug("engine: file of a purged namespace, written before the purge", "path", paths[0])
 		return nil
 	}
 	got, _ := s.adopt(ctx, en, read)
@@ -202,14 +202,14 @@ func (s sharedDir) confirm(ctx context.Context, en *entry) bool {
 	f, _, err := s.e.openSame(en, os.O_RDONLY)
 	if err == nil {
 		f.Close()
-		en.Verified.Store(s.e.now().UnixNano())
+		en.Verified.Store(s.e.cfg.Now().UnixNano())
 		return true
 	}
 	switch {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
 		s.e.rm.dropVanished(ctx, en, err.Error())
 	default:
-		s.e.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
+		s.e.cfg.Logger.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
 	}
 	return false
 }

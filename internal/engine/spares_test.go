@@ -260,7 +260,7 @@ func TestSparesFitInTheCapacityAndCloseRemovesThem(t *testing.T) {
 		// A spare's name says what it is: the next Open removes it.
 		rest, ok := strings.CutPrefix(filepath.Base(p), sparePrefix)
 		node, pid, owned := tempOwner(rest)
-		if !ok || !owned || node != e.node || pid != os.Getpid() {
+		if !ok || !owned || node != e.own.node || pid != os.Getpid() {
 			t.Fatalf("spare %s: not a spare name of this process", p)
 		}
 	}

@@ -210,7 +210,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		}
 		slices.Sort(todo) // request order: files are grouped from it
 		if len(busy) > 0 {
-			e.pathWaits.Add(1)
+			e.st.pathWaits.Add(1)
 		}
 		for _, fl := range busy {
 			select {
@@ -248,7 +248,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 		failAll(todo, err)
 		return nil, nil
 	}
-	now := e.now().UnixNano()
+	now := e.cfg.Now().UnixNano()
 	for g, gr := range groups {
 		gr.mount, gr.path = mounts[g], paths[g]
 		gr.hdr = ns.header(now)
@@ -405,7 +405,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		spare = spareFile{} // written, or removed
 		if !published {
 			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
-				e.log.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
+				e.cfg.Logger.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
 				// Under the eviction lock: a running eviction's files,
 				// removed but not yet uncounted, would count twice in the
 				// capacity (free in statfs, and used), and it would keep
@@ -462,9 +462,9 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if h.Flags&format.FlagPayloadSums != 0 {
 		sums = make([]uint32, len(h.Keys))
 	}
-	io := e.io.Begin()
+	io := e.busy.io.Begin()
 	_, err = mv.WriteFile(ctx, f, plan, sums)
-	e.io.End(io)
+	e.busy.io.End(io)
 	if err != nil {
 		return published, ioError(m, "write", err)
 	}
@@ -489,7 +489,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 			return published, ioError(m, "write header", err)
 		}
 	}
-	en := &entry{FP: h.Fingerprint, NS: uint32(c.ns.id), Mount: gr.mount, Path: gr.path, Size: size, FID: h.ID, Last: e.now().UnixNano()}
+	en := &entry{FP: h.Fingerprint, NS: uint32(c.ns.id), Mount: gr.mount, Path: gr.path, Size: size, FID: h.ID, Last: e.cfg.Now().UnixNano()}
 	published, left, err := e.publish(ctx, m, f, tmp, en, gr.old, "")
 	if published {
 		f = nil // closed

@@ -133,7 +133,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	// can leave it empty or cut): it is no reason not to start.
 	skip := func(name string) {
 		if err := found[name].err; err != nil {
-			e.log.Warn("engine: vllm-fs: skipping a base directory whose config.json cannot be used", "mount", mt.root, "dir", name, "err", err)
+			e.cfg.Logger.Warn("engine: vllm-fs: skipping a base directory whose config.json cannot be used", "mount", mt.root, "dir", name, "err", err)
 		}
 	}
 	if v.Fields == nil {
@@ -189,7 +189,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			if dir == nil {
 				// Made here, so a link at its name now is not the
 				// operator's: it is refused (O_NOFOLLOW).
-				if err := e.dirs.mkdir(nil, filepath.Join(mt.root, base), true); err != nil {
+				if err := e.own.dirs.mkdir(nil, filepath.Join(mt.root, base), true); err != nil {
 					return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 				}
 				var made baseConfig
@@ -203,7 +203,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			}
 		}
 		if ok && c.err != nil {
-			e.log.Warn("engine: vllm-fs: wrote the configured base directory's config.json anew (it did not parse: a crash while the tier wrote it)", "mount", mt.root, "dir", base, "err", c.err)
+			e.cfg.Logger.Warn("engine: vllm-fs: wrote the configured base directory's config.json anew (it did not parse: a crash while the tier wrote it)", "mount", mt.root, "dir", base, "err", c.err)
 		}
 	}
 	layout, err := vllmfs.NewLayout(cfg, v.Rank)
@@ -215,7 +215,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 		model = defaultNamespace(layout.Base())
 	}
 	data := filepath.Join(mt.root, layout.DataDir())
-	if err := e.dirs.mkdir(nil, data, true); err != nil {
+	if err := e.own.dirs.mkdir(nil, data, true); err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
 	// vLLM's directory is shared: below the data directory (the
@@ -423,7 +423,7 @@ func (e *Engine) writeConfig(dir fsys.File, path string, cfg vllmfs.Config) erro
 		// is only logged (Open removes the file once this process is
 		// gone).
 		if rerr := fsys.RemoveAt(e.fs, dir, tmp); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
-			e.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
+			e.cfg.Logger.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
 		}
 		return err
 	}
@@ -509,7 +509,7 @@ func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
 		return
 	}
 	e.st.corrupt.Add(uint64(n))
-	e.log.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes.Load(), "e.g.", short[0].Path)
+	e.cfg.Logger.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes.Load(), "e.g.", short[0].Path)
 }
 
 // rawEntry returns an unindexed entry for the row file at path on vllm-fs
@@ -533,7 +533,7 @@ func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
 		return nil, fmt.Errorf("%w: %s: %d bytes, rows are %d (padded to %d)", ErrMismatch, path, id.Size, row, vllmfs.FileLen(row))
 	}
 	en := &entry{FP: m.raw.fp, Mount: mnt, Path: path, Size: id.Size, Ident: id, Last: id.Mtime, Keys: []string{string(key)}}
-	en.Verified.Store(e.now().UnixNano())
+	en.Verified.Store(e.cfg.Now().UnixNano())
 	return en, nil
 }
 
