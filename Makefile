@@ -176,7 +176,7 @@ test: tools build wasm lint
 .PHONY: test-race
 TEST_WASM_FILES := $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
 test-race: $(if $(filter-out $(wildcard $(TEST_WASM_FILES)),$(TEST_WASM_FILES)),wasm)
-	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -tags invariants -count=1 -p 4 -timeout 30m ./...
+	KVHOST_CLUSTER_MOUNTS= KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -tags invariants -count=1 -p 4 -timeout 30m ./...
 
 # The long reliability suite (docs/reliability.md): at least 100 SIGKILLs and
 # 100,000 acknowledged keys, minutes of shared-directory workload. The ext4
