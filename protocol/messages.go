@@ -1174,8 +1174,8 @@ func decodeNamespaces(d *decoder) *NamespaceList {
 	return nl
 }
 
-// Outcome is what happened to one key of a job: the engine's outcome
-// (host/engine.Outcome is this type), sent to the client in a Completion.
+// Outcome is what happened to one key of a job, sent to the client in a
+// Completion (the daemon maps its engine's outcomes to these).
 type Outcome uint8
 
 // Outcomes of a key in a job. The values are on the wire.

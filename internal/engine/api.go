@@ -24,12 +24,12 @@ package engine
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
-	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 )
 
@@ -361,22 +361,56 @@ type LoadRequest struct {
 	Blocks [][]int
 }
 
-// Outcome is what happened to one key of a job: the protocol's outcome,
-// which the server sends to clients as the engine reports it. The engine
-// never reports OutcomeCancelled itself: a key of a cancelled job fails
-// with context.Canceled, which the server reports as cancelled.
-type Outcome = protocol.Outcome
+// Outcome is what happened to one key of a job. It is the engine's own
+// vocabulary: the server maps it to the wire protocol's outcome and the
+// daemon to the metrics' labels. The engine never reports a cancelled
+// outcome: a key of a cancelled job fails with context.Canceled, which the
+// server reports as cancelled.
+type Outcome uint8
 
-// Outcomes of a key in a job (protocol.Outcome documents each).
+// Outcomes of a key in a job.
 const (
-	OutcomePending     = protocol.OutcomePending
-	OutcomeStored      = protocol.OutcomeStored
-	OutcomePresent     = protocol.OutcomePresent
-	OutcomeNotAdmitted = protocol.OutcomeNotAdmitted
-	OutcomeLoaded      = protocol.OutcomeLoaded
-	OutcomeMissing     = protocol.OutcomeMissing
-	OutcomeFailed      = protocol.OutcomeFailed
+	// OutcomePending: the job has not finished the key (never in the
+	// result of a finished job).
+	OutcomePending Outcome = iota
+	// OutcomeStored: the key was written and published.
+	OutcomeStored
+	// OutcomePresent: the key was already stored, by an earlier job or by
+	// another job writing its file, which this one waited for; nothing was
+	// written.
+	OutcomePresent
+	// OutcomeNotAdmitted: the policy declined the key.
+	OutcomeNotAdmitted
+	// OutcomeLoaded: the key was read into its blocks and verified.
+	OutcomeLoaded
+	// OutcomeMissing: the key is not stored (or its file vanished or
+	// belongs to another geometry); its blocks were not written.
+	OutcomeMissing
+	// OutcomeFailed: the key failed (KeyResult.Err says why). A failed
+	// load may have written into its blocks: their content is undefined.
+	OutcomeFailed
 )
+
+// String names the outcome.
+func (o Outcome) String() string {
+	switch o {
+	case OutcomePending:
+		return "pending"
+	case OutcomeStored:
+		return "stored"
+	case OutcomePresent:
+		return "present"
+	case OutcomeNotAdmitted:
+		return "not admitted"
+	case OutcomeLoaded:
+		return "loaded"
+	case OutcomeMissing:
+		return "missing"
+	case OutcomeFailed:
+		return "failed"
+	}
+	return fmt.Sprintf("outcome(%d)", uint8(o))
+}
 
 // KeyResult is the outcome of one key.
 type KeyResult struct {

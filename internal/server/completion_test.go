@@ -47,10 +47,10 @@ func TestEveryCompletionDecodes(t *testing.T) {
 		{"done", []engine.KeyResult{{Outcome: engine.OutcomeStored}, {Outcome: engine.OutcomeMissing, Err: errors.New("gone")}}, nil},
 		{"pending", []engine.KeyResult{{Outcome: engine.OutcomePending}}, nil},
 		{"cancelled", []engine.KeyResult{{Outcome: engine.OutcomeFailed, Err: context.Canceled}}, nil},
-		{"cancelled without an error", []engine.KeyResult{{Outcome: protocol.OutcomeCancelled}}, nil},
+		{"the wire's cancelled, no engine outcome", []engine.KeyResult{{Outcome: engine.Outcome(protocol.OutcomeCancelled)}}, nil},
 		{"failed without an error", []engine.KeyResult{{Outcome: engine.OutcomeFailed}}, nil},
 		{"failed with a protocol error without a code", []engine.KeyResult{{Outcome: engine.OutcomeFailed, Err: &protocol.Error{}}}, nil},
-		{"an outcome past the protocol's", []engine.KeyResult{{Outcome: protocol.OutcomeCancelled + 1}}, nil},
+		{"an outcome past the protocol's", []engine.KeyResult{{Outcome: engine.Outcome(protocol.OutcomeCancelled + 1)}}, nil},
 		{"fewer results than keys", nil, nil},
 		{"no results and an error", nil, errors.New("engine closed")},
 	} {
@@ -65,5 +65,48 @@ func TestEveryCompletionDecodes(t *testing.T) {
 				t.Fatalf("%d keys, want %d", n, nkeys)
 			}
 		})
+	}
+}
+
+// TestEveryEngineOutcomeMapsToTheWire: each engine outcome has the
+// protocol's outcome of the same name, and a completion carrying it
+// decodes to that outcome (pending, which no finished job reports, is
+// sent cancelled); a value past the engine's outcomes maps to none.
+func TestEveryEngineOutcomeMapsToTheWire(t *testing.T) {
+	for _, tc := range []struct {
+		engine engine.Outcome
+		wire   protocol.Outcome
+		sent   protocol.Outcome
+	}{
+		{engine.OutcomePending, protocol.OutcomePending, protocol.OutcomeCancelled},
+		{engine.OutcomeStored, protocol.OutcomeStored, protocol.OutcomeStored},
+		{engine.OutcomePresent, protocol.OutcomePresent, protocol.OutcomePresent},
+		{engine.OutcomeNotAdmitted, protocol.OutcomeNotAdmitted, protocol.OutcomeNotAdmitted},
+		{engine.OutcomeLoaded, protocol.OutcomeLoaded, protocol.OutcomeLoaded},
+		{engine.OutcomeMissing, protocol.OutcomeMissing, protocol.OutcomeMissing},
+		{engine.OutcomeFailed, protocol.OutcomeFailed, protocol.OutcomeFailed},
+	} {
+		t.Run(tc.engine.String(), func(t *testing.T) {
+			got, ok := wireOutcome(tc.engine)
+			if !ok || got != tc.wire {
+				t.Fatalf("wireOutcome(%v) = %v, %v; want %v", tc.engine, got, ok, tc.wire)
+			}
+			if got.String() != tc.engine.String() {
+				t.Errorf("the wire's %q for the engine's %q", got, tc.engine)
+			}
+			m := completionOf(1, protocol.JobStore, 1, engine.Result{Keys: []engine.KeyResult{{Outcome: tc.engine}}}, nil)
+			back, err := protocol.Decode(m.Type(), m.AppendBody(nil))
+			if err != nil {
+				t.Fatalf("the completion %+v does not decode: %v", m, err)
+			}
+			if o := back.(*protocol.Completion).Keys[0].Outcome; o != tc.sent {
+				t.Errorf("engine outcome %v sent as %v, want %v", tc.engine, o, tc.sent)
+			}
+		})
+	}
+	// Every engine outcome is in the table above: the one after the last
+	// maps to none.
+	if o, ok := wireOutcome(engine.OutcomeFailed + 1); ok {
+		t.Errorf("wireOutcome(%v) = %v, want none", engine.OutcomeFailed+1, o)
 	}
 }

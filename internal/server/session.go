@@ -844,6 +844,29 @@ func (s *session) complete(id uint64, kind protocol.JobKind, nkeys int, job *eng
 	s.send(0, completionOf(id, kind, nkeys, res, err))
 }
 
+// wireOutcome is the protocol's outcome for the engine's outcome o; false
+// for a value that is no engine outcome. The engine's pending is the
+// protocol's pending, which completionOf never sends.
+func wireOutcome(o engine.Outcome) (protocol.Outcome, bool) {
+	switch o {
+	case engine.OutcomePending:
+		return protocol.OutcomePending, true
+	case engine.OutcomeStored:
+		return protocol.OutcomeStored, true
+	case engine.OutcomePresent:
+		return protocol.OutcomePresent, true
+	case engine.OutcomeNotAdmitted:
+		return protocol.OutcomeNotAdmitted, true
+	case engine.OutcomeLoaded:
+		return protocol.OutcomeLoaded, true
+	case engine.OutcomeMissing:
+		return protocol.OutcomeMissing, true
+	case engine.OutcomeFailed:
+		return protocol.OutcomeFailed, true
+	}
+	return 0, false
+}
+
 func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result, err error) *protocol.Completion {
 	m := &protocol.Completion{Job: id, Kind: kind, Bytes: uint64(res.Bytes), Duration: uint64(res.Duration), Keys: make([]protocol.KeyOutcome, nkeys)}
 	for i := range m.Keys {
@@ -858,15 +881,15 @@ func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result
 		}
 		// No key is sent pending, nor failed or cancelled without a code
 		// (docs/protocol.md; clients refuse such a completion).
-		o := k.Outcome
+		o, known := wireOutcome(k.Outcome)
 		var code protocol.Code
 		switch {
-		case errors.Is(k.Err, context.Canceled) || o == engine.OutcomePending || o == protocol.OutcomeCancelled:
+		case errors.Is(k.Err, context.Canceled) || k.Outcome == engine.OutcomePending:
 			o, code = protocol.OutcomeCancelled, protocol.CodeCancelled
+		case !known: // an outcome past the engine's
+			o, code = protocol.OutcomeFailed, protocol.CodeInternal
 		case o == protocol.OutcomeFailed && k.Err != nil:
 			code = errorOf(k.Err).Code
-		case o >= protocol.OutcomeFailed: // failed with no error, or an outcome past the protocol's
-			o, code = protocol.OutcomeFailed, protocol.CodeInternal
 		}
 		if o == protocol.OutcomeFailed && code == protocol.CodeOK {
 			code = protocol.CodeInternal // an error that names no code
