@@ -243,7 +243,7 @@ func (h clusterHost) AdoptFiles(ctx context.Context, tags map[uint32]bool, temps
 			if err := ctx.Err(); err != nil {
 				return err
 			}
-			en, err := e.readEntry(m.idx, path)
+			en, err := e.hd.readEntry(m.idx, path)
 			e.st.scanned.Add(1) // progress for Activity: the walk may take minutes, stores waiting on it
 			var short *shortFileError
 			if errors.As(err, &short) {
@@ -309,7 +309,7 @@ func readFailed(err error) bool {
 func (h clusterHost) touchDir(dir string) error {
 	e, m := h.e, h.m
 	tmp := e.own.tempName(dir, tmpPrefix)
-	f, err := e.openNoLinks(m, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	f, err := e.hd.openNoLinks(m, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err
 	}

@@ -129,11 +129,12 @@ type tiering struct {
 	slots    *fileSlots // a copy is a file in flight that takes no slot
 	room     moveRoom
 	files    moveFiles
-	rm       *remover    // removes sources, copies and temporary files; holds paths
-	own      *ownFiles   // creates the copies' temporary files
-	bufs     *buffers    // the copies' buffers
-	maker    *spareMaker // told of the copies in flight and the room freed; nil before start
-	shared   confirmer   // confirms the file at the target's path (sharedDir)
+	hd       *headerReader // the source's open (openSame)
+	rm       *remover      // removes sources, copies and temporary files; holds paths
+	own      *ownFiles     // creates the copies' temporary files
+	bufs     *buffers      // the copies' buffers
+	maker    *spareMaker   // told of the copies in flight and the room freed; nil before start
+	shared   confirmer     // confirms the file at the target's path (sharedDir)
 	// pol is the engine's policy (the switch), set once Open has it,
 	// before any eviction.
 	pol policy.Policy
@@ -157,11 +158,10 @@ type moveRoom interface {
 }
 
 // moveFiles is what a move asks of the files' life besides removal
-// (remover) and temporary files (ownFiles): opening the source
-// (headers.go), checking and publishing the copy (spares.go, publish.go)
-// and the policy's events (hits.go).
+// (remover), temporary files (ownFiles) and opens (headerReader):
+// checking and publishing the copy (spares.go, publish.go) and the
+// policy's events (hits.go).
 type moveFiles interface {
-	openSame(en *entry, flag int) (fsys.File, *format.Header, error)
 	rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool
 	publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, left *entry, err error)
 	access(ctx context.Context, recs []abi.AccessRecord)
@@ -171,7 +171,7 @@ type moveFiles interface {
 func newTiering(e *Engine) *tiering {
 	t := &tiering{
 		log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, mounts: e.mounts, kvMounts: e.kvMounts,
-		slots: &e.slots, room: e, files: e, rm: e.rm, own: e.own, bufs: &e.bufs, shared: e.shared,
+		slots: &e.slots, room: e, files: e, hd: e.hd, rm: e.rm, own: e.own, bufs: new(buffers), shared: e.shared,
 		tickEvery: e.cfg.TickInterval, updateEvery: e.cfg.MountUpdateInterval,
 	}
 	if t.tickEvery == 0 {
@@ -642,7 +642,7 @@ func (t *tiering) dropCopy(ctx context.Context, en, dup *entry, held bool) error
 // error and, where the copy was published and could not be removed again,
 // its entry left (publish). The caller holds both paths.
 func (t *tiering) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, err error) {
-	src, h, err := t.files.openSame(en, os.O_RDONLY)
+	src, h, err := t.hd.openSame(en, os.O_RDONLY)
 	if err != nil {
 		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.Path, err)
 	}

@@ -1028,10 +1028,10 @@ func TestMovesCopyInWholeLargeFolios(t *testing.T) {
 // buffer has the length it asked for whatever buffers earlier moves gave
 // back, and two moves at once never share one.
 func TestCopyBuffersHaveTheSizeAskedAndAreNeverShared(t *testing.T) {
-	var e Engine
+	var bufs buffers
 	for _, sizes := range [][]int64{{1 << 20, 1 << 20}, {4096, 1 << 20}, {2 << 20, 4096}, {1, 2 << 20}} {
-		a, putA := e.bufs.copyBuffer(sizes[0])
-		b, putB := e.bufs.copyBuffer(sizes[1])
+		a, putA := bufs.copyBuffer(sizes[0])
+		b, putB := bufs.copyBuffer(sizes[1])
 		if int64(len(a)) != sizes[0] || int64(len(b)) != sizes[1] {
 			t.Fatalf("sizes %v: buffers of %d and %d bytes", sizes, len(a), len(b))
 		}

@@ -199,7 +199,7 @@ func (r *remover) disposeIfSame(path string, ens []*entry, spare bool) (kept boo
 	id, err := fileIdentity(f)
 	var h *format.Header
 	if err == nil && !ens[0].Spare {
-		h, err = r.host.fileHeader(ens[0].Mount, path, f, id)
+		h, err = r.hd.fileHeader(ens[0].Mount, path, f, id)
 	}
 	f.Close()
 	match := -1 // the index in ens of the file's entry

@@ -58,9 +58,10 @@ type Engine struct {
 	kvMounts int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	// own: the files of the engine's own names, temporary files, owner
 	// files, the node lock and the directories mkdir knows (tempfiles.go,
-	// owner.go); bufs: reused buffers (buffers.go).
-	own  *ownFiles
-	bufs buffers
+	// owner.go); hd opens the data files and reads their headers
+	// (headers.go).
+	own *ownFiles
+	hd  *headerReader
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > tables.mu >
@@ -185,8 +186,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.st.fails = &failureLog{log: cfg.Logger, interval: 10 * time.Second}
 	e.fs = fsys.Watched(cfg.FS, &e.busy.io)
+	e.hd = &headerReader{fs: e.fs, now: cfg.Now, raw: e}
 	e.ix = index.NewIndex(e.space.Counts())
-	e.rm = &remover{ix: e.ix, fs: e.fs, log: e.cfg.Logger, now: e.cfg.Now, host: e}
+	e.rm = &remover{ix: e.ix, fs: e.fs, hd: e.hd, log: e.cfg.Logger, now: e.cfg.Now, host: e}
 	e.shared = sharedDir{e}
 	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.cfg.Now, e.access, DefaultMaxPinnedOpen()
 	e.tables = newTables(cfg.MaxNamespaces, e.ix.Holds)
@@ -236,6 +238,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			e.kvMounts++
 		}
 		e.mounts = append(e.mounts, mt)
+		e.hd.mounts = e.mounts
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts
@@ -295,7 +298,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, &e.st.made, e.cfg.Logger)
 	e.maker.start()
 	e.tier.start(ctx, e.pol.hitRec, e.maker)
-	e.warm = startWarmer(e.mounts, e.ix, e.openRegular)
+	e.warm = startWarmer(e.mounts, e.ix, e.hd.openRegular)
 	e.clusterRun.Start(ctx, clusters(e.mounts))
 	ok = true
 	st := e.Stats()

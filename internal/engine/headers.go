@@ -3,15 +3,46 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"sync"
 	"syscall"
+	"time"
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/staging"
 )
 
-// Reading a file's header and entry, whatever the mount's layout: the
-// header in the file on a kvhost mount, or made from the layout and the
-// file's name and size on a vllm-fs mount (vllmfs.go).
+// headerReader opens the engine's files on its mounts and reads their
+// headers and entries, whatever the mount's layout: the header in the
+// file on a kvhost mount, or made from the layout and the file's name and
+// size on a vllm-fs mount (raw: vllmfs.go). Every open below a mount's
+// root goes through it (openNoLinks), and it owns the buffers of the
+// headers' first reads (readHeader).
+type headerReader struct {
+	fs     fsys.FS
+	mounts []*mount // set as Open adds them
+	now    func() time.Time
+	raw    rawFiles
+	heads  sync.Pool // *[]byte: readHeader's first read, format.Align bytes, aligned
+}
+
+// rawFiles makes the entries and headers of a vllm-fs mount's row files,
+// which hold no header (vllmfs.go).
+type rawFiles interface {
+	rawEntry(mnt int, path string) (*entry, error)
+	rawHeader(m *mount, path string, size int64) (*format.Header, error)
+}
+
+// header returns an aligned buffer of format.Align bytes for a header's
+// first read, reused where one is free, and put to give it back.
+func (hr *headerReader) header() (buf []byte, put func()) {
+	p, _ := hr.heads.Get().(*[]byte)
+	if p == nil {
+		buf := staging.AlignedBuffer(format.Align)
+		p = &buf
+	}
+	return *p, func() { hr.heads.Put(p) }
+}
 
 // openSame opens the file at en's path and checks that it is en's file
 // (identity and header id). It returns the open file and its header, or an
@@ -21,8 +52,8 @@ import (
 // of a data file: a link at the path, even to en's own file moved aside,
 // is not en's file (errReplaced), as a load takes it for a vanished one;
 // nor does it wait on a named pipe at the path (checkOpen).
-func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error) {
-	f, err := e.openNoLinks(e.mounts[en.Mount], en.Path, flag|checkOpen, 0)
+func (hr *headerReader) openSame(en *entry, flag int) (fsys.File, *format.Header, error) {
+	f, err := hr.openNoLinks(hr.mounts[en.Mount], en.Path, flag|checkOpen, 0)
 	if errors.Is(err, syscall.ELOOP) {
 		return nil, nil, fmt.Errorf("%w: %s, or a directory of it in the mount, is a symbolic link: %w", errReplaced, en.Path, err)
 	}
@@ -38,7 +69,7 @@ func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error
 		f.Close()
 		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.Path)
 	}
-	h, err := e.fileHeader(en.Mount, en.Path, f, id)
+	h, err := hr.fileHeader(en.Mount, en.Path, f, id)
 	if err != nil {
 		f.Close()
 		if !en.Ident.Same(id) {
@@ -56,24 +87,24 @@ func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error
 // readEntry reads the header of the file at path into an unindexed entry.
 // A kvhost file shorter than its header says is corrupt: a *shortFileError
 // (wrapping ErrCorrupt) with the entry of what is there.
-func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
-	if e.mounts[mnt].raw != nil {
-		return e.rawEntry(mnt, path)
+func (hr *headerReader) readEntry(mnt int, path string) (*entry, error) {
+	if hr.mounts[mnt].raw != nil {
+		return hr.raw.rawEntry(mnt, path)
 	}
 	// The identity is that of the file whose header is read.
-	f, id, err := e.openRegular(e.mounts[mnt], path)
+	f, id, err := hr.openRegular(hr.mounts[mnt], path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	h, err := e.readHeader(f)
+	h, err := hr.readHeader(f)
 	if err != nil {
 		return nil, err
 	}
 	if id.Size < h.FileLen() {
-		return nil, &shortFileError{en: e.entryOf(mnt, path, h, id), want: h.FileLen()}
+		return nil, &shortFileError{en: hr.entryOf(mnt, path, h, id), want: h.FileLen()}
 	}
-	return e.entryOf(mnt, path, h, id), nil
+	return hr.entryOf(mnt, path, h, id), nil
 }
 
 // shortFileError is readEntry's error for a file whose header decodes but
@@ -96,9 +127,9 @@ func (e *shortFileError) Unwrap() error { return ErrCorrupt }
 
 // entryOf returns an unindexed entry for the file at path with header h
 // and identity id.
-func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
+func (hr *headerReader) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
 	en := &entry{FP: h.Fingerprint, Mount: mnt, Path: path, Size: id.Size, Ident: id, FID: h.ID, Last: id.Mtime}
-	en.Verified.Store(e.cfg.Now().UnixNano())
+	en.Verified.Store(hr.now().UnixNano())
 	for _, k := range h.Keys {
 		en.Keys = append(en.Keys, string(k.Key))
 	}
@@ -109,10 +140,10 @@ func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identit
 // whose identity id the caller took (fileIdentity, one fstat per open):
 // read from the file on a kvhost mount, made from the layout and id.Size
 // on a vllm-fs mount.
-func (e *Engine) fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error) {
-	m := e.mounts[mnt]
+func (hr *headerReader) fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error) {
+	m := hr.mounts[mnt]
 	if m.raw == nil {
-		return e.readHeader(f)
+		return hr.readHeader(f)
 	}
-	return e.rawHeader(m, path, id.Size)
+	return hr.raw.rawHeader(m, path, id.Size)
 }

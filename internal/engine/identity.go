@@ -72,8 +72,8 @@ func fileIdentity(f fsys.File) (fsys.Identity, error) {
 // replaced meanwhile), from one fstat that also refuses anything but a
 // regular file. The open does not block (O_NONBLOCK, checkOpen): a named
 // pipe at path is refused, not waited on.
-func (e *Engine) openRegular(m *mount, path string) (fsys.File, fsys.Identity, error) {
-	f, err := e.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
+func (hr *headerReader) openRegular(m *mount, path string) (fsys.File, fsys.Identity, error) {
+	f, err := hr.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
 	if err != nil {
 		return nil, fsys.Identity{}, err
 	}
@@ -101,10 +101,10 @@ func (e *Engine) openRegular(m *mount, path string) (fsys.File, fsys.Identity, e
 // plain open. On an O_DIRECT mount a named pipe's open fails with
 // EINVAL (no O_DIRECT on a pipe): the name is opened again without
 // O_DIRECT, only to tell that from a file system's own EINVAL.
-func (e *Engine) openData(m *mount, path string, flag int) (f fsys.File, id fsys.Identity, idErr, err error) {
-	f, err = e.openNoLinks(m, path, flag|checkOpen, 0)
+func (hr *headerReader) openData(m *mount, path string, flag int) (f fsys.File, id fsys.Identity, idErr, err error) {
+	f, err = hr.openNoLinks(m, path, flag|checkOpen, 0)
 	if errors.Is(err, syscall.EINVAL) && flag&unix.O_DIRECT != 0 {
-		if g, _, gerr := e.openRegular(m, path); errors.Is(gerr, errNotRegular) {
+		if g, _, gerr := hr.openRegular(m, path); errors.Is(gerr, errNotRegular) {
 			return nil, fsys.Identity{}, nil, gerr
 		} else if gerr == nil {
 			g.Close()
@@ -168,18 +168,22 @@ var errNotRegular = errors.New("engine: not a regular file")
 // loads that take no such lock (RATIONALE.md, "Why does readHeader reuse
 // its buffer?"). The header returned holds copies of the keys, never the
 // buffer.
-func (e *Engine) readHeader(f fsys.File) (*format.Header, error) { return e.decodeHeader(f, true) }
+func (hr *headerReader) readHeader(f fsys.File) (*format.Header, error) {
+	return hr.decodeHeader(f, true)
+}
 
 // peekHeader is readHeader without the keys' copy: the header's keys are
 // left in a buffer that goes back to them, so its caller reads only
 // the header's other fields (rewrittenUnder, after every load of a memory
 // mount's file, compares the file id).
-func (e *Engine) peekHeader(f fsys.File) (*format.Header, error) { return e.decodeHeader(f, false) }
+func (hr *headerReader) peekHeader(f fsys.File) (*format.Header, error) {
+	return hr.decodeHeader(f, false)
+}
 
 // decodeHeader is readHeader, copying the keys out of the reused buffer
 // (before it goes back) only with own.
-func (e *Engine) decodeHeader(f fsys.File, own bool) (*format.Header, error) {
-	buf, put := e.bufs.header()
+func (hr *headerReader) decodeHeader(f fsys.File, own bool) (*format.Header, error) {
+	buf, put := hr.header()
 	defer put()
 	n, err := f.ReadAt(buf, 0)
 	if err != nil && !errors.Is(err, io.EOF) {

@@ -44,7 +44,7 @@ func headerOfKeys(prefix string, n int) *format.Header {
 // whether the header fit the first read or needed a larger one.
 func TestReadHeaderKeysOutliveItsReusedBuffer(t *testing.T) {
 	dir := t.TempDir()
-	var e Engine
+	var hr headerReader
 	cases := []struct {
 		name string
 		keys int
@@ -59,7 +59,7 @@ func TestReadHeaderKeysOutliveItsReusedBuffer(t *testing.T) {
 		for _, prefix := range []string{"a", "b"} { // two files a case, read one after the other
 			h := headerOfKeys(prefix+c.name, c.keys)
 			f := writeHeaderFile(t, filepath.Join(dir, fmt.Sprintf("%s-%d", prefix, c.keys)), h)
-			r, err := e.readHeader(f)
+			r, err := hr.readHeader(f)
 			if err != nil {
 				t.Fatalf("%s: %v", c.name, err)
 			}

@@ -134,7 +134,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	if idErr != nil && m.raw != nil {
 		err = idErr // a vllm-fs header needs the file's size
 	} else {
-		h, err = e.fileHeader(en.Mount, en.Path, f, id)
+		h, err = e.hd.fileHeader(en.Mount, en.Path, f, id)
 	}
 	if err != nil {
 		if errors.Is(err, ErrCorrupt) {

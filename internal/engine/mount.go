@@ -488,11 +488,11 @@ func (e *Engine) tookFile(m *mount) {
 // removes, renames or makes names in (openDir), goes through it, so that
 // kvhost neither writes outside its mount nor serves or indexes, and
 // later removes, a file outside it.
-func (e *Engine) openNoLinks(m *mount, path string, flag int, perm os.FileMode) (fsys.File, error) {
-	return m.openNoLinks(e.fs, path, flag, perm)
+func (hr *headerReader) openNoLinks(m *mount, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	return m.openNoLinks(hr.fs, path, flag, perm)
 }
 
-// openNoLinks is Engine.openNoLinks through fs.
+// openNoLinks is headerReader.openNoLinks through fs.
 func (m *mount) openNoLinks(fs fsys.FS, path string, flag int, perm os.FileMode) (fsys.File, error) {
 	return fs.OpenFile(m.noLinksPath(path), flag|fsys.ONoLinks, perm)
 }
@@ -527,9 +527,11 @@ func (m *mount) belowLinkFree(path string) (string, bool) {
 // vLLM's layout). Where a directory of a name is replaced by a link after
 // this open, what is done relative to the descriptor stays in the
 // directory opened: never where the link points.
-func (e *Engine) openDir(m *mount, dir string) (fsys.File, error) { return m.openDir(e.fs, dir) }
+func (hr *headerReader) openDir(m *mount, dir string) (fsys.File, error) {
+	return m.openDir(hr.fs, dir)
+}
 
-// openDir is Engine.openDir through fs.
+// openDir is headerReader.openDir through fs.
 func (m *mount) openDir(fs fsys.FS, dir string) (fsys.File, error) {
 	d, err := m.openNoLinks(fs, dir, unix.O_PATH|unix.O_DIRECTORY, 0)
 	if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {

@@ -131,7 +131,7 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 	if !e.pinTab.openSlot() {
 		return e.verify(ctx, en)
 	}
-	f, id, idErr, err := e.openData(m, en.Path, loadFlag(m))
+	f, id, idErr, err := e.hd.openData(m, en.Path, loadFlag(m))
 	if err == nil && idErr != nil {
 		err = idErr
 	}
@@ -189,7 +189,7 @@ func loadFlag(m *mount) int {
 func (e *Engine) openLoad(m *mount, en *entry) (f fsys.File, id fsys.Identity, idErr, err error) {
 	pf := en.File.Load()
 	if pf == nil || !pf.Acquire() {
-		return e.openData(m, en.Path, loadFlag(m))
+		return e.hd.openData(m, en.Path, loadFlag(m))
 	}
 	id, idErr = fileIdentity(pf.File())
 	return &pinnedRef{File: pf.File(), t: &e.pinTab, pf: pf}, id, idErr, nil

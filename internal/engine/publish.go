@@ -91,7 +91,7 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 // header, replaces what is at its name (vLLM's row of the same key, or a
 // file cut short), as vLLM's own rename does.
 func (e *Engine) rename(m *mount, tmp, path string, replaces *entry) error {
-	dir, err := e.openDir(m, filepath.Dir(path))
+	dir, err := e.hd.openDir(m, filepath.Dir(path))
 	if err != nil {
 		return err
 	}
@@ -143,7 +143,7 @@ func (e *Engine) renameNew(m *mount, dir fsys.File, tmp, path string) error {
 // kvhost file the index does not hold (another node's or engine's, or
 // one left by a crash) may be replaced.
 func (e *Engine) othersAt(m *mount, path string) error {
-	f, err := e.openNoLinks(m, path, os.O_RDONLY|syscall.O_NOFOLLOW|checkOpen, 0)
+	f, err := e.hd.openNoLinks(m, path, os.O_RDONLY|syscall.O_NOFOLLOW|checkOpen, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}

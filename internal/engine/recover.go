@@ -44,7 +44,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		go func() {
 			defer readers.Done()
 			for it := range files {
-				en, err := e.readEntry(it.mount, it.path)
+				en, err := e.hd.readEntry(it.mount, it.path)
 				bad := err != nil && e.removeCorrupt(e.mounts[it.mount], it.path, err)
 				mu.Lock()
 				switch {
@@ -202,7 +202,7 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	if !errors.Is(readErr, ErrCorrupt) || errors.Is(readErr, format.ErrBadMagic) || errors.Is(readErr, format.ErrVersion) {
 		return false
 	}
-	f, err := e.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
+	f, err := e.hd.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
 	if err != nil {
 		return false
 	}

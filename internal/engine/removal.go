@@ -13,7 +13,6 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/engine/index"
-	"github.com/kvhost/kvhost/internal/format"
 )
 
 // The removal part (docs/engine.md, "Removal"): dropping entries from the
@@ -39,6 +38,7 @@ type remover struct {
 	fs     fsys.FS
 	log    *slog.Logger
 	now    func() time.Time
+	hd     *headerReader // a file's header (drop.go)
 	host   removalHost
 	mounts []*mount // the engine's, set once Open has opened them all
 
@@ -46,12 +46,10 @@ type remover struct {
 	failures atomic.Uint64 // Stats.RemoveFailures
 }
 
-// removalHost is what removal asks of the rest of the engine: a file's
-// header (headers.go), a spare kept of an evicted file (spares.go), the
+// removalHost is what removal asks of the rest of the engine: a spare kept of an evicted file (spares.go), the
 // movers told to forget a file (movers.go) and the policy told of the
 // entries dropped (hits.go).
 type removalHost interface {
-	fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error)
 	keepSpare(m *mount, dir fsys.File, path string, id fsys.Identity, evicted int64) (bool, string)
 	forget(id fsys.Identity)
 	access(ctx context.Context, recs []abi.AccessRecord)

@@ -513,7 +513,7 @@ func TestReadEntryOpenFile(t *testing.T) {
 	}
 	inj.from, inj.to = paths[1], paths[0]
 	inj.armed.Store(true)
-	en, err := e.readEntry(0, paths[0])
+	en, err := e.hd.readEntry(0, paths[0])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -623,7 +623,7 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	if !claimed {
 		t.Fatal("the path was held before the test claimed it")
 	}
-	found, err := e.readEntry(0, path)
+	found, err := e.hd.readEntry(0, path)
 	if err != nil {
 		t.Fatal(err)
 	}

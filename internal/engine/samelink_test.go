@@ -41,7 +41,7 @@ func TestAnIndexedFileBehindALinkAtItsPathIsNotTakenForIt(t *testing.T) {
 	if err := os.Symlink(aside, en.Path); err != nil {
 		t.Fatal(err)
 	}
-	if f, _, err := e.openSame(en, os.O_RDONLY); err == nil {
+	if f, _, err := e.hd.openSame(en, os.O_RDONLY); err == nil {
 		f.Close()
 		t.Errorf("openSame of %s, a link to the indexed file: opened, want refused", en.Path)
 	}

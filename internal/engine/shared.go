@@ -36,7 +36,7 @@ func (s sharedDir) discover(ctx context.Context, ns *namespace, key []byte) *ent
 		return nil
 	}
 	defer s.e.ix.EndRead(paths[0], read)
-	en, err := s.e.readEntry(mounts[0], paths[0])
+	en, err := s.e.hd.readEntry(mounts[0], paths[0])
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
 			s.e.cfg.Logger.Debug("engine: not a match", "path", paths[0], "err", err)
@@ -168,7 +168,7 @@ func (s sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *en
 	if id.Size < h.FileLen() {
 		return en, nil // truncated: the load judges it corrupt
 	}
-	found := s.e.entryOf(en.Mount, en.Path, h, id)
+	found := s.e.hd.entryOf(en.Mount, en.Path, h, id)
 	if got, _ := s.adoptFound(ctx, found); got != nil {
 		return got, nil
 	}
@@ -199,7 +199,7 @@ func (s sharedDir) rewritten(ctx context.Context, en *entry, m *mount, f fsys.Fi
 // present. An I/O error other than "not found" is false but keeps the
 // entry.
 func (s sharedDir) confirm(ctx context.Context, en *entry) bool {
-	f, _, err := s.e.openSame(en, os.O_RDONLY)
+	f, _, err := s.e.hd.openSame(en, os.O_RDONLY)
 	if err == nil {
 		f.Close()
 		en.Verified.Store(s.e.cfg.Now().UnixNano())

@@ -226,7 +226,7 @@ func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
 	if !m.memory || m.raw != nil {
 		return false
 	}
-	now, err := e.peekHeader(f)
+	now, err := e.hd.peekHeader(f)
 	return err != nil || now.ID != h.ID
 }
 

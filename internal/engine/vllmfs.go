@@ -523,7 +523,7 @@ func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
 	if err != nil {
 		return nil, err
 	}
-	f, id, err := e.openRegular(m, path)
+	f, id, err := e.hd.openRegular(m, path)
 	if err != nil {
 		return nil, err
 	}
