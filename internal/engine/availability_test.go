@@ -334,7 +334,7 @@ func TestCorruptFilesRemovedAtStart(t *testing.T) {
 	keys := testKeys("cor", 3)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}})
 	e.Close(ctx)
-	_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys)
+	_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys)
 	f, _ := os.OpenFile(paths[0], os.O_RDWR, 0)
 	f.WriteAt([]byte{0x55}, 40) // header checksum fails
 	f.Close()
@@ -438,7 +438,7 @@ func TestDirectoryAtKeyPath(t *testing.T) {
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0)})
 	ns, c := declareSmall(t, e, 32)
 	keys := testKeys("dir", 2)
-	_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys[:1])
+	_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys[:1])
 	if err := os.MkdirAll(filepath.Join(paths[0], "sub"), 0o755); err != nil {
 		t.Fatal(err)
 	}

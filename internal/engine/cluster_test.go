@@ -1047,7 +1047,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid(t *testing.T) {
 	for i := range keys {
 		keys[i] = fmt.Appendf(nil, "%04d-dlast", i)
 	}
-	_, paths, _, err := d.e.names(ctx, d.e.tables.get(d.ns), append(first, keys...))
+	_, paths, _, err := d.e.nm.names(ctx, d.e.tables.get(d.ns), append(first, keys...))
 	if err != nil {
 		t.Fatal(err)
 	}

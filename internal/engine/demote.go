@@ -170,7 +170,7 @@ type moveFiles interface {
 // newTiering is the tiering part of e, whose mounts are open.
 func newTiering(e *Engine) *tiering {
 	t := &tiering{
-		log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, mounts: e.mounts, kvMounts: e.kvMounts,
+		log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, mounts: e.mounts, kvMounts: e.nm.kvMounts,
 		slots: &e.slots, room: e, files: e, hd: e.hd, rm: e.rm, own: e.own, bufs: new(buffers), shared: e.shared,
 		tickEvery: e.cfg.TickInterval, updateEvery: e.cfg.MountUpdateInterval,
 	}

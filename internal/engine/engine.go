@@ -48,20 +48,21 @@ const (
 //     load.go, delete.go;
 //   - life: recover.go, hold.go, reload.go, engine.go.
 type Engine struct {
-	cfg      Config  // with its defaults set: Logger, Now, Memory and the rest
-	fs       fsys.FS // Config.FS, watched: its calls in flight are in busy.io
-	pol      policyPart
-	host     *staging.Mover         // the CPU path; its pool is the engine's I/O workers
-	paths    map[region.Kind]string // pathName of each kind with a mover, set with the movers
-	slots    fileSlots              // the files in flight (movers.go)
-	mounts   []*mount
-	kvMounts int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
+	cfg    Config  // with its defaults set: Logger, Now, Memory and the rest
+	fs     fsys.FS // Config.FS, watched: its calls in flight are in busy.io
+	pol    policyPart
+	host   *staging.Mover         // the CPU path; its pool is the engine's I/O workers
+	paths  map[region.Kind]string // pathName of each kind with a mover, set with the movers
+	slots  fileSlots              // the files in flight (movers.go)
+	mounts []*mount
+	nm     *namer // the keys' names: the policy's or a vllm-fs layout's (lookup.go)
 	// own: the files of the engine's own names, temporary files, owner
 	// files, the node lock and the directories mkdir knows (tempfiles.go,
 	// owner.go); hd opens the data files and reads their headers
 	// (headers.go).
 	own *ownFiles
 	hd  *headerReader
+	chk *checker // is an entry's file still the one indexed (checks.go)
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > tables.mu >
@@ -127,8 +128,6 @@ type counters struct {
 	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, written, read atomic.Uint64
 	fails                                                                                  *failureLog // the store and load failures, logged at most once an interval
 
-	// verifyIv is Config.VerifyInterval, changed by SetVerifyInterval.
-	verifyIv atomic.Int64
 	// pathWaits counts the times a store waited for another job holding
 	// its file's path; evictWaits, the reservations that found no room
 	// below a mount's high watermark and went to its eviction lock
@@ -187,10 +186,12 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.st.fails = &failureLog{log: cfg.Logger, interval: 10 * time.Second}
 	e.fs = fsys.Watched(cfg.FS, &e.busy.io)
 	e.hd = &headerReader{fs: e.fs, now: cfg.Now, raw: e}
+	e.nm = &namer{}
 	e.ix = index.NewIndex(e.space.Counts())
 	e.rm = &remover{ix: e.ix, fs: e.fs, hd: e.hd, log: e.cfg.Logger, now: e.cfg.Now, host: e}
 	e.shared = sharedDir{e}
 	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.cfg.Now, e.access, DefaultMaxPinnedOpen()
+	e.chk = &checker{fs: e.fs, now: cfg.Now, log: cfg.Logger, ix: e.ix, hd: e.hd, pins: &e.pinTab, rm: e.rm}
 	e.tables = newTables(cfg.MaxNamespaces, e.ix.Holds)
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
@@ -227,18 +228,18 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 				return nil, fmt.Errorf("%w: mounts %s and %s: both vllm-fs mounts serve namespace %q", ErrInvalid, other.root, mt.root, mt.raw.model)
 			}
 		} else {
-			if e.kvMounts < i {
-				return nil, fmt.Errorf("%w: mount %s: a kvhost mount after the vllm-fs mount %s: list vllm-fs mounts last (the policy places other namespaces on mounts 0..n-1)", ErrInvalid, mt.root, e.mounts[e.kvMounts].root)
+			if e.nm.kvMounts < i {
+				return nil, fmt.Errorf("%w: mount %s: a kvhost mount after the vllm-fs mount %s: list vllm-fs mounts last (the policy places other namespaces on mounts 0..n-1)", ErrInvalid, mt.root, e.mounts[e.nm.kvMounts].root)
 			}
-			for _, other := range e.mounts[:e.kvMounts] {
+			for _, other := range e.mounts[:e.nm.kvMounts] {
 				if err := checkDisjoint(e.fs, other.root, mt.root); err != nil {
 					return nil, err
 				}
 			}
-			e.kvMounts++
+			e.nm.kvMounts++
 		}
 		e.mounts = append(e.mounts, mt)
-		e.hd.mounts = e.mounts
+		e.hd.mounts, e.nm.mounts = e.mounts, e.mounts
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts
@@ -283,8 +284,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.pol.own = true
 	}
 	e.pol.Policy, e.pol.own = newSwitchPolicy(e.pol.Policy, e.pol.own), true // ReplacePolicy
-	e.tier.pol = e.pol.Policy
-	e.st.verifyIv.Store(int64(cfg.VerifyInterval))
+	e.tier.pol, e.nm.pol = e.pol.Policy, e.pol.Policy
+	e.chk.interval.Store(int64(cfg.VerifyInterval))
 	e.reportMounts()
 	e.restore(ctx)
 	// Before the cluster's first count, which may evict this node's files.

@@ -215,7 +215,7 @@ func TestGeometriesNeverMix(t *testing.T) {
 	wantOutcomes(t, "load in other geometry", res, OutcomeMissing)
 	// A file of geometry 1 renamed to the name geometry 2 would use is a
 	// miss too, and is reported.
-	_, paths, _, err := e.names(ctx, e.tables.get(ns2), keys[1:])
+	_, paths, _, err := e.nm.names(ctx, e.tables.get(ns2), keys[1:])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -326,7 +326,7 @@ func TestOpenRefusesMountsThatOverlap(t *testing.T) {
 			c.fill(rand.New(rand.NewPCG(1, 1)), []int{0, 1, 2, 3})
 			keys := testKeys("overlap", 1)
 			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-			_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys)
+			_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys)
 			e.Close(ctx)
 			var mounts []Mount
 			for _, m := range tc.mounts {

@@ -329,7 +329,7 @@ func TestExternalChanges(t *testing.T) {
 	}
 	storeAndCheck(t, e, c, keys, blocks)
 	path := func(k []byte) string {
-		_, paths, _, err := e.names(ctx, e.tables.get(ns), [][]byte{k})
+		_, paths, _, err := e.nm.names(ctx, e.tables.get(ns), [][]byte{k})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -452,7 +452,7 @@ func TestCapacityPinned(t *testing.T) {
 	}
 	storeAndCheck(t, e, c, keys[:1], blocks[:1])
 	pinnedData := c.data(blocks[0])
-	_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys[:1])
+	_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys[:1])
 	bfs.path.Store(paths[0])
 	loadJob, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys[:1], Blocks: [][]int{{100, 101, 102, 103}}})
 	if err != nil {
@@ -494,7 +494,7 @@ func TestCapacityPinned(t *testing.T) {
 	c2.fill(r, blocks[0])
 	c2.fill(r, blocks[1])
 	storeAndCheck(t, e2, c2, keys[:1], blocks[:1])
-	_, paths2, _, _ := e2.names(ctx, e2.tables.get(ns2), keys[:1])
+	_, paths2, _, _ := e2.nm.names(ctx, e2.tables.get(ns2), keys[:1])
 	bfs2.path.Store(paths2[0])
 	lj, _ := e2.Load(ctx, LoadRequest{Cache: c2.id, Keys: keys[:1], Blocks: [][]int{{100, 101, 102, 103}}})
 	<-bfs2.reached
@@ -806,7 +806,7 @@ func TestVerifyInterval(t *testing.T) {
 		c.fill(r, b)
 	}
 	storeAndCheck(t, e, c, keys, blocks)
-	_, paths, _, err := e.names(ctx, e.tables.get(ns), keys[:1])
+	_, paths, _, err := e.nm.names(ctx, e.tables.get(ns), keys[:1])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -822,7 +822,7 @@ func TestVerifyInterval(t *testing.T) {
 	}
 	// The failed load dropped the entry; a fresh vanished entry is found
 	// once the interval has passed.
-	_, paths, _, _ = e.names(ctx, e.tables.get(ns), keys[1:])
+	_, paths, _, _ = e.nm.names(ctx, e.tables.get(ns), keys[1:])
 	os.Remove(paths[0])
 	if n, _ := e.Lookup(ctx, ns, keys[1:]); n != 1 {
 		t.Fatalf("second key within the interval: lookup %d, want 1", n)
@@ -1375,7 +1375,7 @@ func TestAnIOErrorReadingAHeaderIsNoCorruption(t *testing.T) {
 			c.fill(r, blocks[0])
 			storeAndCheck(t, e, c, keys, blocks)
 			want := [][]byte{c.data(blocks[0])}
-			_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys)
+			_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys)
 			target.Store(paths[0])
 			armed.Store(true)
 			if at == "load" {

@@ -90,7 +90,7 @@ func newHoldFixture(t *testing.T, found, capFiles int, hold time.Duration) *hold
 	for _, b := range f.blocks {
 		f.c.fill(r, b)
 	}
-	_, f.paths, _, _ = f.e.names(ctx, f.e.tables.get(f.ns), f.keys)
+	_, f.paths, _, _ = f.e.nm.names(ctx, f.e.tables.get(f.ns), f.keys)
 	return f
 }
 

@@ -114,7 +114,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	// gone from its path as much as one removed. Nor waiting on a named
 	// pipe put at the name (checkOpen; openData). A file its client
 	// pins hold open is read there (openLoad).
-	f, id, idErr, err := e.openLoad(m, en)
+	f, id, idErr, err := e.chk.openLoad(m, en)
 	if err != nil {
 		all(e.shared.vanished(ctx, en, err))
 		return

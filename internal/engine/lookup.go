@@ -8,22 +8,30 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/host/policy"
 )
+
+// namer names keys' files: the policy's names on the kvhost mounts, or a
+// vllm-fs mount's layout.
+type namer struct {
+	mounts   []*mount      // set as Open adds them
+	kvMounts int           // mounts of kvhost's layout: the first ones; the rest are vllm-fs
+	pol      policy.Policy // the engine's (a switchPolicy), set once Open has it
+}
 
 // resolve joins a policy-chosen relative path under its mount, re-checking
 // that it cannot escape the root.
-func (e *Engine) resolve(rec *abi.NameRecord) (int, string, error) {
-	if int(rec.Mount) >= e.kvMounts {
+func (nm *namer) resolve(rec *abi.NameRecord) (int, string, error) {
+	if int(rec.Mount) >= nm.kvMounts {
 		// Mounts from kvMounts on are vllm-fs mounts: each serves its
 		// own namespace only, named by the layout.
-		return 0, "", fmt.Errorf("%w: mount %d of the %d kvhost mounts", ErrPolicy, rec.Mount, e.kvMounts)
+		return 0, "", fmt.Errorf("%w: mount %d of the %d kvhost mounts", ErrPolicy, rec.Mount, nm.kvMounts)
 	}
 	p := rec.Path()
 	if err := abi.CheckPath(p); err != nil {
 		return 0, "", fmt.Errorf("%w: %w", ErrPolicy, err)
 	}
-	root := e.mounts[rec.Mount].root
+	root := nm.mounts[rec.Mount].root
 	full := filepath.Join(root, string(p))
 	if !strings.HasPrefix(full, root+string(filepath.Separator)) {
 		return 0, "", fmt.Errorf("%w: path %q escapes %s", ErrPolicy, p, root)
@@ -32,7 +40,7 @@ func (e *Engine) resolve(rec *abi.NameRecord) (int, string, error) {
 }
 
 // names asks the policy for the mount and path of every key.
-func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int, []string, []error, error) {
+func (nm *namer) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int, []string, []error, error) {
 	mounts := make([]int, len(keys))
 	paths := make([]string, len(keys))
 	errs := make([]error, len(keys))
@@ -54,42 +62,17 @@ func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int
 		batch := keys[start:min(len(keys), start+abi.MaxBatch)]
 		rs := recs[:len(batch)]
 		for i, k := range batch {
-			rs[i] = abi.NameRecord{NS: uint32(ns.id), Fingerprint: ns.fp, TPRank: uint32(ns.geo.TPRank), MountCount: uint32(e.kvMounts)}
+			rs[i] = abi.NameRecord{NS: uint32(ns.id), Fingerprint: ns.fp, TPRank: uint32(ns.geo.TPRank), MountCount: uint32(nm.kvMounts)}
 			rs[i].SetKey(k)
 		}
-		if err := e.pol.Name(ctx, rs); err != nil {
+		if err := nm.pol.Name(ctx, rs); err != nil {
 			return nil, nil, nil, fmt.Errorf("%w: name: %w", ErrPolicy, err)
 		}
 		for i := range rs {
-			mounts[start+i], paths[start+i], errs[start+i] = e.resolve(&rs[i])
+			mounts[start+i], paths[start+i], errs[start+i] = nm.resolve(&rs[i])
 		}
 	}
 	return mounts, paths, errs, nil
-}
-
-// verify checks, cheaply (one stat), that en's file is still the one
-// indexed. A file removed or replaced behind the engine's back drops the
-// entry; verify then reports false.
-func (e *Engine) verify(ctx context.Context, en *entry) bool {
-	fi, err := e.fs.Stat(en.Path)
-	if err == nil {
-		var id fsys.Identity
-		if id, err = fsys.IdentityOf(fi); err == nil {
-			if id.Same(en.Ident) {
-				en.Verified.Store(e.cfg.Now().UnixNano())
-				return true
-			}
-			err = errReplaced
-		}
-	}
-	return e.judgeCheck(ctx, en, err)
-}
-
-// recentlyVerified reports whether en's file was checked within
-// Config.VerifyInterval of now (Unix nanoseconds).
-func (e *Engine) recentlyVerified(en *entry, now int64) bool {
-	iv := e.st.verifyIv.Load()
-	return iv > 0 && now-en.Verified.Load() < iv
 }
 
 // Lookup returns how many leading keys of ns are stored. A hit is checked
@@ -137,10 +120,10 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			// A file discovered for an earlier key may hold this one too.
 			en = e.find(n, k)
 		}
-		if en != nil && !counted(en) && !e.recentlyVerified(en, now) && !e.verify(ctx, en) {
+		if en != nil && !counted(en) && !e.chk.recentlyVerified(en, now) && !e.chk.verify(ctx, en) {
 			// Dropped, or moved to another mount meanwhile (demote.go):
 			// then the key's entry is the new file.
-			if en = e.find(n, k); en != nil && !e.verify(ctx, en) {
+			if en = e.find(n, k); en != nil && !e.chk.verify(ctx, en) {
 				en = nil
 			}
 		}

@@ -74,7 +74,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		return 0, err
 	}
 	fp := g.Fingerprint()
-	mounts := e.kvMounts
+	mounts := e.nm.kvMounts
 	lm := e.layoutMount(g.Model)
 	if lm != nil {
 		// Its files carry no fingerprint: they are the mount's.
@@ -90,7 +90,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 			}
 		}
 		return 0, fmt.Errorf("%w: namespace %q: no vllm-fs mount serves it (the fs tier's fields differ from every mount's; served: %v)", ErrInvalid, g.Model, bases)
-	} else if e.kvMounts == 0 {
+	} else if e.nm.kvMounts == 0 {
 		return 0, fmt.Errorf("%w: namespace %q: every mount is a vllm-fs mount serving its own namespace, and none serves this one", ErrInvalid, g.Model)
 	}
 	if sp, ok := e.pol.Policy.(*switchPolicy); ok {

@@ -1,11 +1,8 @@
 package engine
 
 import (
-	"context"
-	"errors"
 	"os"
 	"sync/atomic"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -112,87 +109,12 @@ func (m *mount) othersRemove(en *entry) bool {
 	return m.network
 }
 
-// verifyPinned is Pin's check of en's file, which the pin holds now (its
-// lease counted): a stat (verify), or, where another engine may remove the
-// file and none of en's pins holds it open yet, an open that then holds
-// it (pinnedFile). Like verify, it drops an entry whose file vanished or
-// was replaced, and reports false.
-func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
-	m := e.mounts[en.Mount]
-	if !m.othersRemove(en) {
-		return e.verify(ctx, en)
-	}
-	if en.File.Load() != nil {
-		// An earlier pin holds the file: this pin is checked by name,
-		// and a file no longer there is a miss for it (the earlier
-		// pins still load it).
-		return e.verify(ctx, en)
-	}
-	if !e.pinTab.openSlot() {
-		return e.verify(ctx, en)
-	}
-	f, id, idErr, err := e.hd.openData(m, en.Path, loadFlag(m))
-	if err == nil && idErr != nil {
-		err = idErr
-	}
-	if err == nil && !id.Same(en.Ident) {
-		err = errReplaced
-	}
-	if err != nil {
-		if f != nil {
-			f.Close()
-		}
-		e.pinTab.closeSlot()
-		return e.judgeCheck(ctx, en, err)
-	}
-	en.Verified.Store(e.cfg.Now().UnixNano())
-	e.pinTab.holdOpen(en, f)
-	return true
-}
-
-// judgeCheck is what a failed check of en's file (err: a stat or open of
-// its name failed, or found another file there: errReplaced,
-// errNotRegular) does: it drops the entry of a file vanished or replaced,
-// unless this engine removed or moved it meanwhile, and keeps it on an
-// error that tells nothing (EIO, EACCES). It reports false.
-func (e *Engine) judgeCheck(ctx context.Context, en *entry, err error) bool {
-	if e.ix.Gone(en) {
-		return false // removed or moved (demote.go) since it was found: not vanished
-	}
-	why := "vanished"
-	switch {
-	case errors.Is(err, errReplaced):
-		why = "replaced"
-	case errors.Is(err, errNotRegular):
-		why = "not a regular file"
-	case errors.Is(err, os.ErrNotExist), errors.Is(err, syscall.ELOOP):
-	default:
-		// Cannot tell (EIO, EACCES...): a miss for now, but keep the entry.
-		e.cfg.Logger.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
-		return false
-	}
-	e.rm.dropVanished(ctx, en, why)
-	return false
-}
-
 // loadFlag is the flag a load opens a file of m with.
 func loadFlag(m *mount) int {
 	if m.direct {
 		return os.O_RDONLY | unix.O_DIRECT
 	}
 	return os.O_RDONLY
-}
-
-// openLoad opens en's file for a load: through the file its client pins
-// hold open (pinnedRef), or by its name (openData). It takes no lock: a
-// load of a file no pin holds open pays one atomic load for it.
-func (e *Engine) openLoad(m *mount, en *entry) (f fsys.File, id fsys.Identity, idErr, err error) {
-	pf := en.File.Load()
-	if pf == nil || !pf.Acquire() {
-		return e.hd.openData(m, en.Path, loadFlag(m))
-	}
-	id, idErr = fileIdentity(pf.File())
-	return &pinnedRef{File: pf.File(), t: &e.pinTab, pf: pf}, id, idErr, nil
 }
 
 // PinnedFilesOpen returns how many files the engine holds open for client

@@ -87,7 +87,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			}
 			// Checked after pinning: no eviction or delete can come
 			// between the check and the hold.
-			if !e.verifyPinned(ctx, en) {
+			if !e.chk.verifyPinned(ctx, en) {
 				e.pinTab.unpin(ctx, []*entry{en}, false)
 				continue
 			}

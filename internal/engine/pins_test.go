@@ -48,7 +48,7 @@ func newPinFixture(t *testing.T, cfg Config) *pinFixture {
 	for _, b := range f.blocks {
 		f.c.fill(r, b)
 	}
-	_, f.paths, _, _ = e.names(ctx, e.tables.get(ns), f.keys)
+	_, f.paths, _, _ = e.nm.names(ctx, e.tables.get(ns), f.keys)
 	return f
 }
 

@@ -209,7 +209,7 @@ func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRe
 
 // SetVerifyInterval changes Config.VerifyInterval of a running engine.
 func (e *Engine) SetVerifyInterval(d time.Duration) {
-	e.st.verifyIv.Store(int64(max(d, 0)))
+	e.chk.interval.Store(int64(max(d, 0)))
 }
 
 // heldPolicy is a policy, the calls it is serving and the pins it was

@@ -190,7 +190,7 @@ func TestStoreWaitsForWriter(t *testing.T) {
 		})
 		e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
 		ns, _ := e.Declare(ctx, g)
-		_, paths, _, err := e.names(ctx, e.tables.get(ns), [][]byte{[]byte("bad")})
+		_, paths, _, err := e.nm.names(ctx, e.tables.get(ns), [][]byte{[]byte("bad")})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -198,7 +198,7 @@ func TestStoreWaitsForWriter(t *testing.T) {
 		c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
 		bad := []byte("bad")
 		good := []byte("good")
-		_, gp, _, _ := e.names(ctx, e.tables.get(ns), [][]byte{good})
+		_, gp, _, _ := e.nm.names(ctx, e.tables.get(ns), [][]byte{good})
 		if filepath.Dir(gp[0]) == filepath.Dir(paths[0]) {
 			t.Fatal("test keys share a directory")
 		}
@@ -369,7 +369,7 @@ func storeGatedKey(t *testing.T, op fsys.Op) *gatedKey {
 	k.c = newTestCache(t, k.e, k.ns, g, 32, layoutPlaneFirst)
 	k.keys = testKeys("raced", 1)
 	storeAndCheck(t, k.e, k.c, k.keys, [][]int{{0, 1, 2, 3}})
-	_, paths, _, _ := k.e.names(ctx, k.e.tables.get(k.ns), k.keys)
+	_, paths, _, _ := k.e.nm.names(ctx, k.e.tables.get(k.ns), k.keys)
 	k.path = paths[0]
 	return k
 }
@@ -388,7 +388,7 @@ func TestRemoveKeepsNewerFile(t *testing.T) {
 	c.fill(r, []int{0, 1, 2, 3, 4, 5, 6, 7})
 	key := testKeys("del", 1)
 	storeAndCheck(t, e, c, key, [][]int{{0, 1, 2, 3}})
-	_, paths, _, _ := e.names(ctx, e.tables.get(ns), key)
+	_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), key)
 	gate.path.Store(paths[0])
 
 	stored := make(chan Result, 1)
@@ -438,7 +438,7 @@ func TestLoadDestinationChanged(t *testing.T) {
 	}
 	want := [][]byte{c.data(blocks[0]), c.data(blocks[1])}
 	storeAndCheck(t, e, c, keys, blocks)
-	_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys[:1])
+	_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys[:1])
 
 	same := [][]int{{8, 9, 10, 11}, {8, 9, 10, 11}}
 	for _, bl := range [][][]int{same, {{8, 9, 10, 11}, {12, 13, 9, 14}}, {{8, 9, 10, 8}, {12, 13, 14, 15}}} {
@@ -506,7 +506,7 @@ func TestReadEntryOpenFile(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
 	keys := testKeys("fstat", 2)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
-	_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys)
+	_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys)
 	fi, err := os.Stat(paths[0])
 	if err != nil {
 		t.Fatal(err)
@@ -614,7 +614,7 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
 	keys := testKeys("held", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	_, paths, _, _ := e.names(ctx, e.tables.get(ns), keys)
+	_, paths, _, _ := e.nm.names(ctx, e.tables.get(ns), keys)
 	path := paths[0]
 
 	// The index loses the file (as when another file holding its key was
@@ -777,7 +777,7 @@ func TestTheClusterAdoptionWalkNeverIndexesAFileThisEngineRemovedWhileItReadIt(t
 		t.Fatal(err)
 	}
 	keys := testKeys("d", 1) // dead node D's key (storeKeys)
-	_, paths, _, _ := a.names(ctx, a.tables.get(ns), keys)
+	_, paths, _, _ := a.nm.names(ctx, a.tables.get(ns), keys)
 	path := paths[0]
 	if !exists(path) {
 		t.Fatalf("no file of D's key at %s", path)

@@ -27,7 +27,7 @@ type sharedDir struct{ e *Engine }
 // discover looks for key under its policy name and indexes the file if its
 // header says it holds the key in this geometry.
 func (s sharedDir) discover(ctx context.Context, ns *namespace, key []byte) *entry {
-	mounts, paths, errs, err := s.e.names(ctx, ns, [][]byte{key})
+	mounts, paths, errs, err := s.e.nm.names(ctx, ns, [][]byte{key})
 	if err != nil || errs[0] != nil {
 		return nil
 	}

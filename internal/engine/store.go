@@ -243,7 +243,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 	for g, gr := range groups {
 		firsts[g] = keys[gr.idx[0]]
 	}
-	mounts, paths, errs, err := e.names(ctx, ns, firsts)
+	mounts, paths, errs, err := e.nm.names(ctx, ns, firsts)
 	if err != nil {
 		failAll(todo, err)
 		return nil, nil

@@ -793,7 +793,7 @@ func TestVLLMFSBesideKVHostMounts(t *testing.T) {
 		t.Fatalf("files of another namespace on the vllm-fs mount: %v", files)
 	}
 	rec := abi.NameRecord{Mount: 1}
-	if _, _, err := e.resolve(&rec); !errors.Is(err, ErrPolicy) {
+	if _, _, err := e.nm.resolve(&rec); !errors.Is(err, ErrPolicy) {
 		t.Fatalf("a policy naming the vllm-fs mount: %v", err)
 	}
 }
