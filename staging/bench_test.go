@@ -33,7 +33,7 @@ func BenchmarkFused(b *testing.B) {
 	}
 	b.Cleanup(func() { os.RemoveAll(dir) })
 	const seg, segs, spread = 32 << 10, 1024, 8
-	mem := AlignedBuffer(seg * segs * spread)
+	mem := fsys.AlignedBuffer(seg * segs * spread)
 	for i := range mem {
 		mem[i] = byte(i * 7)
 	}

@@ -59,7 +59,7 @@ func TestBouncedRunsStopWhenTheContextIsCancelled(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer f.Close()
-			mem := AlignedBuffer(chunks*Align + 1)
+			mem := fsys.AlignedBuffer(chunks*Align + 1)
 			spans := []span{{Off: 0, Buf: mem[1:], Sum: 0}} // not aligned: bounced
 			done := make(chan error, 1)
 			if err := p.submit(context.Background(), func(w *worker) {

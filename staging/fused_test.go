@@ -93,7 +93,7 @@ func TestFusedMatchesReference(t *testing.T) {
 	const nsums = 3
 	ctx := context.Background()
 	for name, dir := range dirs {
-		direct, err := ProbeDirect(fsys.OS{}, dir)
+		direct, err := fsys.ProbeDirect(fsys.OS{}, dir)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -119,7 +119,7 @@ func TestFusedMatchesReference(t *testing.T) {
 			}
 			t.Run(fmt.Sprintf("%s/direct=%v/chunk=%d/spans=%d", name, tc.direct, tc.chunk, tc.count), func(t *testing.T) {
 				r := rand.New(rand.NewPCG(uint64(tc.chunk), uint64(tc.count)))
-				src := AlignedBuffer(8 << 20)
+				src := fsys.AlignedBuffer(8 << 20)
 				rand.NewChaCha8([32]byte{byte(tc.chunk), byte(tc.count)}).Read(src)
 				spans := randomSpans(r, src, tc.count, tc.maxSpan, nsums, tc.direct)
 				want, wantSums := reference(t, filepath.Join(dir, "ref"), spans, nsums)
@@ -161,7 +161,7 @@ func TestFusedMatchesReference(t *testing.T) {
 
 				// Read back into other memory of the same shapes, spans not
 				// overlapping, unaligned unless direct.
-				dst := AlignedBuffer(int(total) + 16*len(spans))
+				dst := fsys.AlignedBuffer(int(total) + 16*len(spans))
 				rspans := make([]span, len(spans))
 				mem := 0
 				for i, s := range spans {

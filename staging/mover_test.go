@@ -70,7 +70,7 @@ func TestMoverRoundTrip(t *testing.T) {
 		src.Bytes()[i] = byte(i*31 + i>>9)
 	}
 	dir := t.TempDir()
-	direct, _ := ProbeDirect(fsys.OS{}, dir)
+	direct, _ := fsys.ProbeDirect(fsys.OS{}, dir)
 	ext := func(r region.Region) []transfer.Extent {
 		return []transfer.Extent{
 			{FileOff: 0, Region: r, RegionOff: 8192, Len: 4096, Sum: 0},

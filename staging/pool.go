@@ -19,6 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -35,7 +36,7 @@ var (
 )
 
 // Align is the alignment of bounce buffers and of direct I/O.
-const Align = 4096
+const Align = fsys.DirectAlign
 
 // Config configures a Pool.
 type Config struct {
@@ -209,7 +210,7 @@ func (b *Buffers) get(ctx context.Context) ([]byte, error) {
 	case buf := <-b.free:
 		return buf, nil
 	case b.sem <- struct{}{}:
-		return AlignedBuffer(b.size), nil
+		return fsys.AlignedBuffer(b.size), nil
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
@@ -217,16 +218,6 @@ func (b *Buffers) get(ctx context.Context) ([]byte, error) {
 
 // put returns a buffer obtained from get.
 func (b *Buffers) put(buf []byte) { b.free <- buf[:b.size] }
-
-// AlignedBuffer returns n zeroed bytes whose address is Align-aligned.
-func AlignedBuffer(n int) []byte {
-	raw := make([]byte, n+Align)
-	off := 0
-	if r := int(uintptr(unsafe.Pointer(unsafe.SliceData(raw))) % Align); r != 0 {
-		off = Align - r
-	}
-	return raw[off : off+n : off+n]
-}
 
 func aligned(b []byte) bool {
 	return len(b)%Align == 0 && (len(b) == 0 || uintptr(unsafe.Pointer(unsafe.SliceData(b)))%Align == 0)

@@ -55,7 +55,7 @@ func TestWriteRead(t *testing.T) {
 	defer p.close()
 	ctx := context.Background()
 	for name, dir := range dirs {
-		direct, err := ProbeDirect(fsys.OS{}, dir)
+		direct, err := fsys.ProbeDirect(fsys.OS{}, dir)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -68,7 +68,7 @@ func TestWriteRead(t *testing.T) {
 			t.Run(fmt.Sprintf("%s/direct=%v/unit=%d/unaligned=%v/overlap=%v", name, direct, tc.unit, tc.unaligned, tc.overlap), func(t *testing.T) {
 				r := rand.New(rand.NewPCG(1, uint64(tc.unit)))
 				total := 300 * 4096 // several bounce chunks
-				src := AlignedBuffer(total + 4096)
+				src := fsys.AlignedBuffer(total + 4096)
 				for i := range src {
 					src[i] = byte(r.Uint32())
 				}
@@ -101,7 +101,7 @@ func TestWriteRead(t *testing.T) {
 					t.Fatalf("write sums %x, want %x", sums, want)
 				}
 				// Read into fresh memory with the same span shapes.
-				dst := AlignedBuffer(len(src))
+				dst := fsys.AlignedBuffer(len(src))
 				rspans := make([]span, len(spans))
 				for i, s := range spans {
 					start := int(s.Off)

@@ -120,7 +120,7 @@ func TestBouncedRunsYieldEveryYieldBytes(t *testing.T) {
 	}
 	defer p.close()
 	const size = 4 << 20
-	srcMem, dstMem := AlignedBuffer(size+1), AlignedBuffer(size+1)
+	srcMem, dstMem := fsys.AlignedBuffer(size+1), fsys.AlignedBuffer(size+1)
 	src, dst := srcMem[1:], dstMem[1:] // not aligned: bounced
 	copy(src, bytes.Repeat([]byte("kvhost!!"), size/8))
 	r := roundTripYields(t, p, src, dst, options{Direct: true}) // options.Direct alone bounces unaligned memory

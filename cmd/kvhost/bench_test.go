@@ -19,7 +19,6 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/daemon/daemontest"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // tinyBench is a small geometry: 4 layers of 8 KiB blocks (two heads of
@@ -1064,7 +1063,7 @@ func TestBenchTakesTheConfiguredMountsIOMode(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			dir := t.TempDir()
 			if mode == "direct" {
-				if ok, err := staging.ProbeDirect(fsys.OS{}, dir); err != nil || !ok {
+				if ok, err := fsys.ProbeDirect(fsys.OS{}, dir); err != nil || !ok {
 					t.Skipf("%s refuses O_DIRECT (%v): nothing to force", dir, err)
 				}
 			}

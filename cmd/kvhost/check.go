@@ -24,7 +24,6 @@ import (
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/server"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // Levels of a check line.
@@ -574,7 +573,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		rep.add(level, area, what, fix)
 	}
 
-	direct, err := staging.ProbeDirect(fsys.OS{}, m.Path)
+	direct, err := fsys.ProbeDirect(fsys.OS{}, m.Path)
 	switch {
 	case err != nil && errors.Is(err, unix.ENOSPC):
 		rep.add(levelWarn, area, "O_DIRECT unknown: the probe could not write its one block (file system full); the engine then uses buffered I/O",

@@ -9,7 +9,6 @@ import (
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // headerReader opens the engine's files on its mounts and reads their
@@ -38,7 +37,7 @@ type rawFiles interface {
 func (hr *headerReader) header() (buf []byte, put func()) {
 	p, _ := hr.heads.Get().(*[]byte)
 	if p == nil {
-		buf := staging.AlignedBuffer(format.Align)
+		buf := fsys.AlignedBuffer(format.Align)
 		p = &buf
 	}
 	return *p, func() { hr.heads.Put(p) }

@@ -8,10 +8,10 @@ import (
 	"os"
 	"syscall"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/staging"
-	"golang.org/x/sys/unix"
 )
 
 // File identity (docs/engine.md, "File identity").
@@ -195,7 +195,7 @@ func (hr *headerReader) decodeHeader(f fsys.File, own bool) (*format.Header, err
 	h, err := format.Decode(buf[:n])
 	var te *format.TruncatedError
 	if errors.As(err, &te) && te.Need <= format.MaxHeaderLen && n == len(buf) {
-		buf = staging.AlignedBuffer((te.Need + format.Align - 1) / format.Align * format.Align)
+		buf = fsys.AlignedBuffer((te.Need + format.Align - 1) / format.Align * format.Align)
 		n, err = f.ReadAt(buf, 0)
 		if err != nil && !errors.Is(err, io.EOF) {
 			return nil, err

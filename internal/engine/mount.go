@@ -17,7 +17,6 @@ import (
 	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -266,7 +265,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// RESOLVE_NO_SYMLINKS from the resolved root (openNoLinks),
 		// removed relative to the root opened so (removeFile).
 		probe := e.own.tempName(root, probePrefix)
-		direct, made, err := staging.ProbeDirectFile(e.fs, mt.noLinksPath(probe), fsys.ONoLinks)
+		direct, made, err := fsys.ProbeDirectFile(e.fs, mt.noLinksPath(probe), fsys.ONoLinks)
 		if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM) {
 			mt.unwritable = err // no file made; reportMounts says so, once
 		}

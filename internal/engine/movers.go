@@ -12,7 +12,6 @@ import (
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -233,7 +232,7 @@ func (s *skips) read(ctx context.Context, f fsys.File, sums []uint32) error {
 		widest = max(widest, end-start)
 		i = j
 	}
-	buf := staging.AlignedBuffer(int(min(recheckChunk, widest)))
+	buf := fsys.AlignedBuffer(int(min(recheckChunk, widest)))
 	var at, n int64 // buf holds the file's bytes [at, at+n)
 	for i, x := range s.reads {
 		for pos, end := x.FileOff, x.FileOff+x.Len; pos < end; {
@@ -248,7 +247,7 @@ func (s *skips) read(ctx context.Context, f fsys.File, sums []uint32) error {
 					err = nil
 				}
 				if err == nil && pos >= at+n {
-					err = fmt.Errorf("%w: %w: read at %d returned %d bytes", ErrCorrupt, staging.ErrShortFile, at, got)
+					err = fmt.Errorf("%w: %w: read at %d returned %d bytes", ErrCorrupt, transfer.ErrShortFile, at, got)
 				}
 				if err != nil {
 					return err

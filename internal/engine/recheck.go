@@ -9,7 +9,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // errDestinationChanged: a key's checksum, computed from its destination
@@ -31,7 +31,7 @@ func recheck(ctx context.Context, f fsys.File, h *format.Header, want []bool) ([
 	hl := int64(h.Len())
 	bb := int64(h.BlockBytes)
 	sums := make([]uint32, len(h.Keys))
-	buf := staging.AlignedBuffer(recheckChunk)
+	buf := fsys.AlignedBuffer(recheckChunk)
 	var at, n int64 // buf holds the file's bytes [at, at+n)
 	var err error
 	// Walk visits segments in increasing file offset: each chunk is read
@@ -50,7 +50,7 @@ func recheck(ctx context.Context, f fsys.File, h *format.Header, want []bool) ([
 					err = nil
 				}
 				if err == nil && pos >= at+n {
-					err = fmt.Errorf("%w: %w: read at %d returned %d bytes", ErrCorrupt, staging.ErrShortFile, at, got)
+					err = fmt.Errorf("%w: %w: read at %d returned %d bytes", ErrCorrupt, transfer.ErrShortFile, at, got)
 				}
 				if err != nil {
 					return

@@ -7,7 +7,6 @@ import (
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // Spare files (docs/engine.md, "Spare files").
@@ -141,7 +140,7 @@ func (o *ownFiles) useSpare(m *mount, sf spareFile, dir string, extra int, size,
 func clearSpare(f fsys.File, size, end int64) (op string, err error) {
 	// The header first: a reader of the old file (another engine on the
 	// directory) then finds its file id gone when it checks after its read.
-	if _, err := f.WriteAt(staging.AlignedBuffer(format.Align), 0); err != nil {
+	if _, err := f.WriteAt(fsys.AlignedBuffer(format.Align), 0); err != nil {
 		return "zero the header", err
 	}
 	if end < size {
@@ -163,7 +162,7 @@ func clearSpare(f fsys.File, size, end int64) (op string, err error) {
 // zeroRange writes zeros over bytes [from, to) of f, in writes of whole
 // blocks where from and to are block-aligned.
 func zeroRange(f fsys.File, from, to int64) error {
-	zeros := staging.AlignedBuffer(int(min(to-from, 1<<20)+format.Align) &^ (format.Align - 1))
+	zeros := fsys.AlignedBuffer(int(min(to-from, 1<<20)+format.Align) &^ (format.Align - 1))
 	for off := from; off < to; {
 		n, err := f.WriteAt(zeros[:min(int64(len(zeros)), to-off)], off)
 		if err != nil {

@@ -13,8 +13,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -481,7 +481,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}
 	if !h.Raw { // a vllm-fs row has no header, hence no file id
 		h.ID = fileID(e.mounts)
-		hdr := staging.AlignedBuffer(int(hl))
+		hdr := fsys.AlignedBuffer(int(hl))
 		if err := h.Encode(hdr); err != nil {
 			return false, err
 		}

@@ -25,7 +25,6 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/testsock"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // Throughput settings: every node moves throughputBytes per phase with
@@ -299,7 +298,7 @@ func BenchmarkClusterThroughput(b *testing.B) {
 	for i, m := range mounts {
 		ds[i] = startDaemon(b, clusterConfig(run, m, i))
 	}
-	direct, err := staging.ProbeDirect(fsys.OS{}, mounts[0])
+	direct, err := fsys.ProbeDirect(fsys.OS{}, mounts[0])
 	if err != nil {
 		b.Fatalf("O_DIRECT probe on %s: %v", mounts[0], err)
 	}

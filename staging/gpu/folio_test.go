@@ -9,8 +9,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/fsys/fsystest"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // TestStoresFillLargeFoliosInOneWrite: on a mount whose writes allocate
@@ -60,7 +60,7 @@ func TestStoresFillLargeFoliosInOneWrite(t *testing.T) {
 			if n, err := m.WriteFile(context.Background(), f, p, sums); err != nil || n != p.Bytes() {
 				t.Fatalf("WriteFile = %d, %v; want %d", n, err, p.Bytes())
 			}
-			got := staging.AlignedBuffer(len(want))
+			got := fsys.AlignedBuffer(len(want))
 			if _, err := f.ReadAt(got, int64(g.headerBytes)); err != nil {
 				t.Fatal(err)
 			}

@@ -231,7 +231,7 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 			if err != nil || n != p.Bytes() {
 				t.Fatalf("WriteFile = %d, %v; want %d", n, err, p.Bytes())
 			}
-			got := staging.AlignedBuffer(len(wantFile))
+			got := fsys.AlignedBuffer(len(wantFile))
 			if _, err := f.ReadAt(got, int64(g.headerBytes)); err != nil {
 				t.Fatal(err)
 			}
@@ -617,7 +617,7 @@ func TestUnalignedDirectLoadFromTmpfs(t *testing.T) {
 	g := testGeometry()
 	kv := newCache(t, e.w, g)
 	f := createFileIn(t, fsDir(t, true), "key", unix.O_DIRECT)
-	file := staging.AlignedBuffer(2 << 20)
+	file := fsys.AlignedBuffer(2 << 20)
 	rnd := rand.New(rand.NewPCG(7, 7))
 	for i := range file {
 		file[i] = byte(rnd.Uint32())

@@ -1,4 +1,4 @@
-package staging
+package fsys_test
 
 import (
 	"os"
@@ -22,7 +22,7 @@ func TestProbeDirectOnAFileSystemRefusingDirectIOSaysNoAndLeavesNoFile(t *testin
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			dir := t.TempDir()
-			direct, err := ProbeDirect(fsystest.RefusesDirect{FS: fsys.OS{}, AtWrite: tt.atWrite}, dir)
+			direct, err := fsys.ProbeDirect(fsystest.RefusesDirect{FS: fsys.OS{}, AtWrite: tt.atWrite}, dir)
 			if err != nil || direct {
 				t.Fatalf("ProbeDirect: %v, %v: want false, nil", direct, err)
 			}
@@ -45,7 +45,7 @@ func TestProbeDirectFileLeavesAnExistingFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, fs := range []fsys.FS{fsys.OS{}, fsystest.RefusesDirect{FS: fsys.OS{}}} {
-		if _, made, err := ProbeDirectFile(fs, name, 0); err == nil || made {
+		if _, made, err := fsys.ProbeDirectFile(fs, name, 0); err == nil || made {
 			t.Fatalf("%T: ProbeDirectFile on an existing name: made %v, error %v: want an error, and nothing made", fs, made, err)
 		}
 		if b, err := os.ReadFile(name); err != nil || string(b) != "kept" {
