@@ -686,7 +686,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
 	// From here the move's copy is the only file in flight: every wait
 	// of the maker's is for it.
-	testwait.Until(t, "the store's file slot to be released", testwait.Hang, func() bool { return !e.slots.busy() })
+	testwait.Until(t, "the store's file slot to be released", testwait.Hang, func() bool { return !e.mv.slots.busy() })
 	waited := e.maker.waitedIdle.Load()
 	moved := make(chan error, 1)
 	go func() {

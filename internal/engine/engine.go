@@ -12,7 +12,6 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
-	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
 )
 
@@ -51,9 +50,7 @@ type Engine struct {
 	cfg    Config  // with its defaults set: Logger, Now, Memory and the rest
 	fs     fsys.FS // Config.FS, watched: its calls in flight are in busy.io
 	pol    policyPart
-	host   *staging.Mover         // the CPU path; its pool is the engine's I/O workers
-	paths  map[region.Kind]string // pathName of each kind with a mover, set with the movers
-	slots  fileSlots              // the files in flight (movers.go)
+	mv     movers // the CPU path, the movers' names, the file slots (movers.go)
 	mounts []*mount
 	nm     *namer // the keys' names: the policy's or a vllm-fs layout's (lookup.go)
 	// own: the files of the engine's own names, temporary files, owner
@@ -256,8 +253,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: %w", err)
 	}
-	e.host = host
-	e.slots.tokens = make(chan struct{}, cfg.IOWorkers)
+	e.mv.host = host
+	e.mv.slots.tokens = make(chan struct{}, cfg.IOWorkers)
 	pool := host
 	if err := e.buildMovers(); err != nil {
 		pool.Close()
@@ -296,7 +293,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e.pol.hitRec = newHitRecorder(e)
-	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, &e.st.made, e.cfg.Logger)
+	e.maker = newSpareMaker(e.space, e.mounts, e.mv.slots.busy, e.own, &e.st.made, e.cfg.Logger)
 	e.maker.start()
 	e.tier.start(ctx, e.pol.hitRec, e.maker)
 	e.warm = startWarmer(e.mounts, e.ix, e.hd.openRegular)
@@ -400,7 +397,7 @@ func (e *Engine) shutdown() {
 	e.own.dropSpares(e.mounts)
 	e.own.closeOwners() // after the spares: none is left for another engine to find live
 	e.pol.hitRec.close()
-	e.host.Close()
+	e.mv.host.Close()
 	var err error
 	if e.pol.own {
 		err = e.pol.Close(context.Background())

@@ -69,7 +69,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	var wg sync.WaitGroup
 	for _, en := range order {
 		idx := byEntry[en]
-		if err := e.slots.acquire(ctx); err != nil {
+		if err := e.mv.slots.acquire(ctx); err != nil {
 			for _, i := range idx {
 				set(i, OutcomeFailed, err)
 			}

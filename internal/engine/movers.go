@@ -12,6 +12,7 @@ import (
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -22,6 +23,15 @@ import (
 // cache's region kind: host memory goes through the CPU staging pipeline
 // (staging.Mover) unless Config.Movers names another; other kinds (device
 // memory) need a mover from Config.Movers.
+
+// movers is how the engine moves payloads: the CPU path, the name of
+// each memory kind's movers, and the slots that bound the files in
+// flight. Open sets them; they never change after.
+type movers struct {
+	host  *staging.Mover         // the CPU path; its pool is the engine's I/O workers
+	paths map[region.Kind]string // pathName of each kind with a mover, set with the movers
+	slots fileSlots              // the files in flight
+}
 
 // MountInfo describes a mount to a MoverFactory.
 type MountInfo struct {
@@ -41,7 +51,7 @@ type MoverFactory func(MountInfo) (transfer.Mover, error)
 func (e *Engine) buildMovers() error {
 	for _, m := range e.mounts {
 		info := MountInfo{Index: m.idx, Path: m.root, Direct: m.direct, Memory: m.memory}
-		m.movers = map[region.Kind]transfer.Mover{region.KindHost: e.host.For(m.direct && !m.memory)}
+		m.movers = map[region.Kind]transfer.Mover{region.KindHost: e.mv.host.For(m.direct && !m.memory)}
 		for kind, build := range e.cfg.Movers {
 			if build == nil {
 				continue
@@ -60,10 +70,10 @@ func (e *Engine) buildMovers() error {
 		m.checksums = m.checksums && host.Checksums()
 	}
 	// The movers never change: their names are joined once, not per job.
-	e.paths = map[region.Kind]string{}
+	e.mv.paths = map[region.Kind]string{}
 	for _, m := range e.mounts {
 		for kind := range m.movers {
-			e.paths[kind] = e.pathName(kind)
+			e.mv.paths[kind] = e.pathName(kind)
 		}
 	}
 	return nil
@@ -284,9 +294,9 @@ func (s *fileSlots) acquire(ctx context.Context) error {
 // between mounts.
 func (s *fileSlots) busy() bool { return len(s.tokens) > 0 || s.moving.Load() > 0 }
 
-// releaseSlot gives back a slot e.slots.acquire took.
+// releaseSlot gives back a slot e.mv.slots.acquire took.
 func (e *Engine) releaseSlot() {
-	<-e.slots.tokens
+	<-e.mv.slots.tokens
 	e.maker.fileEnded()
 }
 

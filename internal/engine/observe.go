@@ -41,7 +41,7 @@ func (e *Engine) observe(j *Job) {
 	if e.cfg.Observer == nil {
 		return
 	}
-	path, ok := e.paths[j.mem]
+	path, ok := e.mv.paths[j.mem]
 	if !ok {
 		path = e.pathName(j.mem)
 	}
@@ -73,7 +73,7 @@ func (e *Engine) pathName(kind region.Kind) string {
 // StagingUsage reports the CPU staging pipeline's bounce buffers: in use
 // now, the most that may exist (Config.StagingBytes), and their size.
 func (e *Engine) StagingUsage() (inUse, limit, size int) {
-	b := e.host.Pool().Buffers()
+	b := e.mv.host.Pool().Buffers()
 	inUse, limit = b.Usage()
 	return inUse, limit, b.Size()
 }

@@ -321,7 +321,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			busy = append(busy, fl)
 			continue
 		}
-		if err := e.slots.acquire(ctx); err != nil {
+		if err := e.mv.slots.acquire(ctx); err != nil {
 			e.rm.release(gr.path)
 			failAll(gr.idx, err)
 			continue
