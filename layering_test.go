@@ -109,8 +109,7 @@ var pendingViolations = []struct{ from, to string }{
 // names an internal type while the work that removes them waits, as
 // "pkg.Ident internal-type". Like pendingViolations, each must still
 // occur: remove it when it no longer does.
-var pendingAPI = []string{
-}
+var pendingAPI = []string{}
 
 // listedPackage is what the layering test reads from go list.
 type listedPackage struct {
