@@ -134,24 +134,8 @@ type gpuStress struct {
 
 	version atomic.Uint64 // the last version a store used
 
-	// Closing while busy (runAndClose): closing is set before the
-	// engine's Close; unloaded, once the runtime is marked unloaded,
-	// under devMu, which the workers hold reading while they copy to or
-	// from device memory themselves.
-	closing  atomic.Bool
-	devMu    sync.RWMutex
-	unloaded bool
-	opsDone  atomic.Int64
-	// halfway is closed once the workers have begun half their
-	// operations (opsDone reaching halfAt).
-	halfway chan struct{}
-	halfAt  int64
-
-	mu       sync.Mutex
-	stored   map[uint64]bool // versions a store reported stored
-	observed []observed      // versions loads found
-	hot      [8]int          // the keys stored last, by any worker
-	nhot     int
+	stressClose
+	stressHistory
 
 	// Counts, for the log.
 	n struct {
@@ -160,6 +144,30 @@ type gpuStress struct {
 		cancelledKeys, recycles, restarts                              atomic.Int64
 		blocksChecked                                                  atomic.Int64
 	}
+}
+
+// stressClose is a gpuStress's closing while busy (runAndClose): closing
+// is set before the engine's Close; unloaded, once the runtime is marked
+// unloaded, under devMu, which the workers hold reading while they copy
+// to or from device memory themselves.
+type stressClose struct {
+	closing  atomic.Bool
+	devMu    sync.RWMutex
+	unloaded bool
+	opsDone  atomic.Int64
+	// halfway is closed once the workers have begun half their
+	// operations (opsDone reaching halfAt).
+	halfway chan struct{}
+	halfAt  int64
+}
+
+// stressHistory is what a gpuStress's workers stored and found, under mu.
+type stressHistory struct {
+	mu       sync.Mutex
+	stored   map[uint64]bool // versions a store reported stored
+	observed []observed      // versions loads found
+	hot      [8]int          // the keys stored last, by any worker
+	nhot     int
 }
 
 // countFailed counts a key whose store or load failed with err, and
@@ -325,7 +333,7 @@ type observed struct {
 func newGPUStress(t *testing.T, dir string, memory bool, seed uint64, ops, workers int) *gpuStress {
 	t.Helper()
 	r := rand.New(rand.NewPCG(seed, 1))
-	s := &gpuStress{dir: dir, seed: seed, ops: ops, workers: max(workers, 1), g: smallGeometry(false), stored: map[uint64]bool{}}
+	s := &gpuStress{dir: dir, seed: seed, ops: ops, workers: max(workers, 1), g: smallGeometry(false), stressHistory: stressHistory{stored: map[uint64]bool{}}}
 	s.halfway, s.halfAt = make(chan struct{}), int64(max(s.workers*ops/2, 1))
 	s.lib = cudatest.Build(t)
 	s.fake = cudatest.Open(t, s.lib)
