@@ -26,7 +26,7 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 	// Spares are free space that holds pages: the new file must fit
 	// beside them (a store may then reuse one; a move between mounts
 	// writes a fresh file).
-	if e.spareEligible(m) {
+	if e.watch.spareEligible(m) {
 		e.own.trimSpares(m, false)
 	}
 	return nil
@@ -53,7 +53,7 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 	if !ok {
 		return fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
-	if e.spareEligible(m) {
+	if e.watch.spareEligible(m) {
 		e.own.trimSpares(m, false)
 	}
 	return nil
@@ -80,7 +80,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 	e.st.evictWaits.Add(1)
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
-	e.refreshCapacity(m, false)
+	e.watch.refreshCapacity(m, false)
 	if reserve(space.High) { // another store evicted meanwhile
 		return nil
 	}

@@ -843,7 +843,7 @@ func TestAFileSystemFilledByOthersSaysSoInTheNoSpaceError(t *testing.T) {
 			disk.foreign = tt.foreign
 			m := e.mounts[0]
 			m.evictMu.Lock()
-			e.refreshCapacity(m, true)
+			e.watch.refreshCapacity(m, true)
 			m.evictMu.Unlock()
 			err := e.reserveUsed(context.Background(), m, size)
 			if err == nil {

@@ -207,7 +207,7 @@ func TestCloseGivesUpOnAStoreHungInTheFileSystemButKeepsTheNodeLock(t *testing.T
 	}
 	<-bfs.reached
 
-	e.closing.unwind = 0 // the store cannot unwind: no need to wait for it
+	e.busy.unwind = 0 // the store cannot unwind: no need to wait for it
 	cctx, cancel := context.WithCancel(ctx)
 	cancel() // the shutdown's time is up
 	closed := make(chan error, 1)

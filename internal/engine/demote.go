@@ -130,6 +130,7 @@ type tiering struct {
 	room     moveRoom
 	files    moveFiles
 	hd       *headerReader // the source's open (openSame)
+	watch    *mountWatch   // the targets' refusals of stores, and their probes
 	rm       *remover      // removes sources, copies and temporary files; holds paths
 	own      *ownFiles     // creates the copies' temporary files
 	bufs     *buffers      // the copies' buffers
@@ -147,14 +148,11 @@ type tiering struct {
 	st     tierCounters
 }
 
-// moveRoom is what a move asks of the room on the mounts (capacity.go,
-// mountfail.go).
+// moveRoom is what a move asks of the room on the mounts (capacity.go).
 type moveRoom interface {
 	reserve(ctx context.Context, m *mount, size int64) error
 	reserveFree(m *mount, size int64) error
 	unreserve(m *mount, size int64)
-	storeEnded(m *mount, size int64, err error)
-	reprobe()
 }
 
 // moveFiles is what a move asks of the files' life besides removal
@@ -171,7 +169,7 @@ type moveFiles interface {
 func newTiering(e *Engine) *tiering {
 	t := &tiering{
 		log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, mounts: e.mounts, kvMounts: e.nm.kvMounts,
-		slots: &e.mv.slots, room: e, files: e, hd: e.hd, rm: e.rm, own: e.own, bufs: new(buffers), shared: e.shared,
+		slots: &e.mv.slots, room: e, files: e, hd: e.hd, watch: e.watch, rm: e.rm, own: e.own, bufs: new(buffers), shared: e.shared,
 		tickEvery: e.cfg.TickInterval, updateEvery: e.cfg.MountUpdateInterval,
 	}
 	if t.tickEvery == 0 {
@@ -278,7 +276,7 @@ func (t *tiering) drive() {
 		case <-tickC:
 			t.tick(ctx, d.stop)
 		case <-probe.C:
-			t.room.reprobe()
+			t.watch.reprobe()
 		}
 	}
 }
@@ -553,7 +551,7 @@ func (t *tiering) moveEntry(ctx context.Context, id uint64, target int, mayEvict
 			// No room on tm after evicting what could be, as a store's
 			// reservation there fails: tm refuses stores (mountfail.go).
 			// A move into free room only (reserveFree) tried no eviction.
-			t.room.storeEnded(tm, size, err)
+			t.watch.storeEnded(tm, size, err)
 			return 0, err
 		}
 	} else if err := t.room.reserveFree(tm, size); err != nil {
@@ -653,7 +651,7 @@ func (t *tiering) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, 
 	readFailed := false
 	defer func() {
 		if !readFailed {
-			t.room.storeEnded(tm, en.Size, err)
+			t.watch.storeEnded(tm, en.Size, err)
 		}
 	}()
 	f, tmp, op, err := t.own.createTemp(tm, filepath.Dir(dst), 0, en.Size)

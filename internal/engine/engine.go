@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/engine/index"
@@ -39,7 +40,7 @@ const (
 //     calls.go (the calls in flight that are not jobs),
 //     recheck.go;
 //   - files: identity.go, removal.go, tempfiles.go, vllmfs.go,
-//     headers.go, mount.go;
+//     headers.go, checks.go, mount.go;
 //   - room: spares.go, owner.go (whose spares are live), ahead.go,
 //     warm.go, drop.go, publish.go, cluster.go (cluster-wide capacity),
 //     capacity.go and demote.go;
@@ -52,7 +53,8 @@ type Engine struct {
 	pol    policyPart
 	mv     movers // the CPU path, the movers' names, the file slots (movers.go)
 	mounts []*mount
-	nm     *namer // the keys' names: the policy's or a vllm-fs layout's (lookup.go)
+	nm     *namer      // the keys' names: the policy's or a vllm-fs layout's (lookup.go)
+	watch  *mountWatch // the mounts' capacity, refusals and probes (mount.go, mountfail.go)
 	// own: the files of the engine's own names, temporary files, owner
 	// files, the node lock and the directories mkdir knows (tempfiles.go,
 	// owner.go); hd opens the data files and reads their headers
@@ -77,9 +79,8 @@ type Engine struct {
 	// orphans, spares (package space).
 	space *space.Space
 
-	busy    inFlight   // the jobs, calls and file operations in flight
-	closing closeState // Close's teardown
-	st      counters   // what the engine counts, for Stats and tests
+	busy inFlight // the jobs, calls and file operations in flight; Close's wait for them
+	st   counters // what the engine counts, for Stats and tests
 
 	pinTab     pinTable     // client pins and the files they hold open (pins.go, pinfiles.go)
 	hold       *restartHold // the files found at start, pinned for Config.RestartHold (hold.go)
@@ -104,21 +105,19 @@ type policyPart struct {
 
 // inFlight is what is in flight: the jobs (jobs.go), the calls that are
 // not jobs (calls.go) and the file operations and movers' calls
-// (Activity).
+// (Activity); and Close's wait for them to end: down is closed when
+// Close's teardown has ended (shutdown), closeErr set before; unwind is
+// how long Close waits, once its context has ended, for the jobs it
+// cancelled and the calls in flight (defaultCloseUnwind; tests shorten
+// it).
 type inFlight struct {
 	jobs  jobTable
 	calls callGate
 	io    fsys.InFlight
-}
 
-// closeState is Close's: down is closed when Close's teardown has ended
-// (shutdown), err set before; unwind is how long Close waits, once its
-// context has ended, for the jobs it cancelled and the calls in flight
-// (defaultCloseUnwind; tests shorten it).
-type closeState struct {
-	down   chan struct{}
-	err    error
-	unwind time.Duration
+	down     chan struct{}
+	closeErr error
+	unwind   time.Duration
 }
 
 type counters struct {
@@ -175,15 +174,15 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	cfg.Memory = machineMemory(cfg.Memory)
 	e := &Engine{
-		cfg:     cfg,
-		space:   space.New(),
-		busy:    inFlight{calls: newCallGate()},
-		closing: closeState{down: make(chan struct{}), unwind: defaultCloseUnwind},
+		cfg:   cfg,
+		space: space.New(),
+		busy:  inFlight{calls: newCallGate(), down: make(chan struct{}), unwind: defaultCloseUnwind},
 	}
 	e.st.fails = &failureLog{log: cfg.Logger, interval: 10 * time.Second}
 	e.fs = fsys.Watched(cfg.FS, &e.busy.io)
 	e.hd = &headerReader{fs: e.fs, now: cfg.Now, raw: e}
 	e.nm = &namer{}
+	e.watch = &mountWatch{cfg: cfg.Mounts, noReuse: cfg.NoReuse, fsync: cfg.Fsync, memory: cfg.Memory, fs: e.fs, log: cfg.Logger, now: cfg.Now, space: e.space}
 	e.ix = index.NewIndex(e.space.Counts())
 	e.rm = &remover{ix: e.ix, fs: e.fs, hd: e.hd, log: e.cfg.Logger, now: e.cfg.Now, host: e}
 	e.shared = sharedDir{e}
@@ -193,7 +192,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	e.own = &ownFiles{fs: e.fs, log: e.cfg.Logger, now: e.cfg.Now, grace: cfg.TempGrace, node: nodeName(cfg.NodeID), token: newToken(), dirs: newDirCache(e.fs, cfg.Fsync), rm: e.rm,
-		sp: e.space, eligible: e.spareEligible, reused: &e.st.reused}
+		sp: e.space, eligible: e.watch.spareEligible, reused: &e.st.reused}
+	e.watch.own, e.watch.rm = e.own, e.rm
 	if cfg.LockFile != "" {
 		if err := e.own.lockNode(cfg.LockFile); err != nil {
 			return nil, err
@@ -236,7 +236,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			e.nm.kvMounts++
 		}
 		e.mounts = append(e.mounts, mt)
-		e.hd.mounts, e.nm.mounts = e.mounts, e.mounts
+		e.hd.mounts, e.nm.mounts, e.watch.mounts = e.mounts, e.mounts, e.mounts
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts
@@ -260,7 +260,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
-	e.own.openOwners(e.mounts, e.spareEligible) // before the walk, which keeps live owners' spares
+	e.own.openOwners(e.mounts, e.watch.spareEligible) // before the walk, which keeps live owners' spares
 	// The cluster locks before the walk too: an adopter of this node's
 	// files then lets go of them (openCluster).
 	if err := openCluster(e); err != nil {
@@ -268,7 +268,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	start := time.Now()
-	if err := e.rebuild(ctx); err != nil {
+	rc := &recovery{mounts: e.mounts, workers: cfg.IOWorkers, log: cfg.Logger, fs: e.fs, hd: e.hd, own: e.own, rm: e.rm, ix: e.ix, tables: e.tables, tier: e.tier, corrupt: &e.st.corrupt}
+	if err := rc.rebuild(ctx); err != nil {
 		pool.Close()
 		return nil, err
 	}
@@ -283,8 +284,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.pol.Policy, e.pol.own = newSwitchPolicy(e.pol.Policy, e.pol.own), true // ReplacePolicy
 	e.tier.pol, e.nm.pol = e.pol.Policy, e.pol.Policy
 	e.chk.interval.Store(int64(cfg.VerifyInterval))
-	e.reportMounts()
-	e.restore(ctx)
+	e.watch.reportMounts()
+	e.access(ctx, e.ix.Records(abi.AccessRestore)) // the policy told of every indexed entry
 	// Before the cluster's first count, which may evict this node's files.
 	e.hold.start(ctx, cfg.RestartHold)
 	if err := countCluster(ctx, e.mounts); err != nil {
@@ -360,16 +361,16 @@ func (e *Engine) Close(ctx context.Context) error {
 		go e.shutdown()
 	}
 	select {
-	case <-e.closing.down:
-		return e.closing.err
+	case <-e.busy.down:
+		return e.busy.closeErr
 	case <-ctx.Done():
 	}
 	e.busy.jobs.cancelAll()
-	unwind := time.NewTimer(e.closing.unwind)
+	unwind := time.NewTimer(e.busy.unwind)
 	defer unwind.Stop()
 	select {
-	case <-e.closing.down:
-		return errors.Join(ctx.Err(), e.closing.err)
+	case <-e.busy.down:
+		return errors.Join(ctx.Err(), e.busy.closeErr)
 	case <-unwind.C:
 	}
 	a := e.Activity()
@@ -383,7 +384,7 @@ func (e *Engine) Close(ctx context.Context) error {
 }
 
 // shutdown is Close's teardown: it waits for the jobs and the calls in
-// flight, then closes the engine's parts, sets downErr and closes down.
+// flight, then closes the engine's parts, sets busy.closeErr and closes busy.down.
 func (e *Engine) shutdown() {
 	start := time.Now()
 	e.busy.jobs.wg.Wait()
@@ -403,8 +404,8 @@ func (e *Engine) shutdown() {
 		err = e.pol.Close(context.Background())
 	}
 	e.own.unlockNode()
-	e.closing.err = err
-	close(e.closing.down)
+	e.busy.closeErr = err
+	close(e.busy.down)
 	e.cfg.Logger.Debug("engine: closed", "took", time.Since(start))
 }
 

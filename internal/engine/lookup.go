@@ -109,10 +109,18 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		return slices.Contains(hit, en)
 	}
 	now := e.cfg.Now().UnixNano()
+	// countHits counts a hit at now on each entry hit, under one hold of
+	// the index's lock, and reports them to the policy off the lookup's
+	// path.
+	countHits := func() {
+		if len(hit) > 0 {
+			e.pol.hitRec.add(ctx, e.ix.Hit(hit, now))
+		}
+	}
 	stored := len(keys)
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
-			e.countHits(ctx, hit, now)
+			countHits()
 			return i, err
 		}
 		en := found[i]
@@ -143,17 +151,8 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			hit = append(hit, en)
 		}
 	}
-	e.countHits(ctx, hit, now)
+	countHits()
 	return stored, nil
-}
-
-// countHits counts a hit at time now on each of the entries, under one hold
-// of the index's lock, and reports them to the policy off the lookup's path.
-func (e *Engine) countHits(ctx context.Context, hit []*entry, now int64) {
-	if len(hit) == 0 {
-		return
-	}
-	e.pol.hitRec.add(ctx, e.ix.Hit(hit, now))
 }
 
 // MirrorKeys tells ks every key the index holds now and, from then on,

@@ -3,6 +3,7 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -316,109 +317,6 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	return mt, nil
 }
 
-// refreshCapacity recomputes m's capacity from statfs, at most once per
-// second unless force (after an ENOSPC): other writers on the file system
-// (other nodes of a shared mount, other programs) change what it can hold.
-func (e *Engine) refreshCapacity(m *mount, force bool) {
-	e.refreshCapacityLess(m, force, 0)
-}
-
-// refreshCapacityLess is refreshCapacity where notOnDisk bytes of the
-// mount's used hold nothing on the file system (Space.Refresh).
-func (e *Engine) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
-	if !e.space.RefreshDue(m.sp, e.cfg.Now(), force) {
-		return
-	}
-	st, err := e.fs.Statfs(m.root)
-	if err != nil {
-		e.cfg.Logger.Warn("engine: statfs", "mount", m.root, "err", err)
-		return
-	}
-	e.space.Refresh(m.sp, st, notOnDisk)
-}
-
-// reportMounts describes each mount (describeMount: its file system and
-// the device class a tiering policy is told) and logs, once at Open, that
-// description, its capacity, I/O mode, backend and checksums, and warns
-// where the configured capacity is more than the file system can hold.
-func (e *Engine) reportMounts() {
-	for i, m := range e.mounts {
-		m.desc = describeMount(e.fs, e.cfg.Logger, m, e.cfg.Mounts[i].DeviceClass)
-		e.refreshCapacity(m, true)
-		used, capacity := e.space.Usage(m.sp)
-		// The budget is settled once, from the capacity at Open: 0 where
-		// the mount keeps no spares, so that an Ahead above 0 alone says
-		// it makes them ahead (ahead.go).
-		ahead, files, most := m.sp.Ahead()
-		auto := ahead == PreallocateAuto
-		switch {
-		case !e.spareEligible(m):
-			if ahead > 0 && m.unwritable == nil {
-				e.cfg.Logger.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on and no cluster_capacity",
-					"mount", m.root, "preallocate", ahead)
-			}
-			ahead = 0
-		case auto:
-			ahead, files = AutoPreallocate(capacity, e.cfg.Memory), MaxAutoSpareFiles
-			most = AutoPreallocateMax(capacity, e.cfg.Memory)
-		}
-		e.space.SetAhead(m.sp, ahead, files, most)
-		configured, reserve, derived := m.sp.Configured()
-		fsName, from := m.desc.fsName, "detected"
-		if fsName == "" {
-			fsName = "unknown"
-		}
-		if m.desc.configured {
-			from = "configured"
-		}
-		e.cfg.Logger.Info("engine: mount", "mount", m.root, "device_class", className(m.desc.class), "device_class_from", from,
-			"fs", fsName, "fs_magic", fmt.Sprintf("%#x", m.desc.fsType), "direct_io", m.direct, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
-			"checksums", m.checksums, "fsync_before_rename", e.cfg.Fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", reserve, "preallocate", ahead, "preallocate_auto", auto, "preallocate_max", max(ahead, most))
-		switch {
-		case e.warnRefusing(m, fsName, capacity):
-		case configured > capacity && !derived:
-			e.cfg.Logger.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
-				"mount", m.root, "configured", configured, "effective", capacity, "reserve", reserve)
-		}
-	}
-}
-
-// warnRefusing logs, where Open found that every store on m will fail —
-// a read-only file system, a directory the daemon's user may not write,
-// no room at all (capacity 0) — one warning naming the mount, why and what
-// to do, starts m's refusal of stores (StoreFailure, no store counted) and
-// reports true; else it reports false.
-func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
-	const loads = "; the files on it are still loaded"
-	var why string
-	var room int64 // Open's finding: no room for any file
-	switch {
-	case errors.Is(m.unwritable, syscall.EROFS):
-		why = "read-only file system"
-		e.cfg.Logger.Warn("engine: the mount is on a read-only file system: every store there fails"+loads,
-			"mount", m.root, "fs", fsName, "fix", "remount it read-write (mount -o remount,rw), or name a directory on a writable file system")
-	case m.unwritable != nil:
-		why = "cannot make files: " + m.unwritable.Error()
-		e.cfg.Logger.Warn("engine: the daemon's user cannot make files on the mount: every store there fails"+loads,
-			"mount", m.root, "fs", fsName, "err", m.unwritable, "fix", "give the daemon's user write access to the directory (chown, or run the daemon as its owner)")
-	case capacity <= 0:
-		var avail int64
-		if st, err := e.fs.Statfs(m.root); err == nil {
-			avail = st.Avail
-		}
-		configured, reserve, _ := m.sp.Configured()
-		room = probeBytes
-		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, reserve)
-		e.cfg.Logger.Warn("engine: the mount has no room: every store there fails until it has"+loads,
-			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", reserve, "configured", configured,
-			"fix", noRoomFix)
-	default:
-		return false
-	}
-	m.refuse(why+" (found at start)", room, 0, e.cfg.Now())
-	return true
-}
-
 // machineMemory is configured, or else MachineMemory.
 func machineMemory(configured int64) int64 {
 	if configured > 0 {
@@ -441,38 +339,6 @@ func MachineMemory() int64 {
 func isMemoryFS(magic int64) bool {
 	k, _ := fstype.Of(magic)
 	return k.Memory
-}
-
-// spareEligible reports whether m keeps evicted files as spares (not on
-// a mount Open found unwritable while no file has been made there since:
-// no spare could be made there).
-func (e *Engine) spareEligible(m *mount) bool {
-	return e.spareCapable(m) && !m.spareless.Load()
-}
-
-// spareCapable reports whether m may keep spares once it takes files: a
-// memory mount in kvhost's layout, with reuse on, and no cluster capacity
-// (no node's summary would count its spares against the bound).
-func (e *Engine) spareCapable(m *mount) bool {
-	return m.memory && m.raw == nil && !e.cfg.NoReuse && e.cfg.Mounts[m.idx].ClusterCapacity == 0
-}
-
-// tookFile records that a file was made on m: a store's or a move's copy
-// that succeeded, a probe that passed (reprobe). Where Open found m
-// unwritable (a read-only tmpfs since remounted read-write), m keeps
-// spares from then on, under an owner file made first (openOwner), as a
-// mount writable at start does; the spares made ahead (Mount.Preallocate),
-// whose budget Open settled at 0, wait for a restart. Elsewhere it costs
-// one atomic load.
-func (e *Engine) tookFile(m *mount) {
-	if !m.spareless.Load() || !m.mending.CompareAndSwap(false, true) {
-		return // writable from the start, or another file's success came first
-	}
-	if e.spareCapable(m) {
-		e.own.openOwner(m)
-		e.cfg.Logger.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
-	}
-	m.spareless.Store(false)
 }
 
 // openNoLinks opens path, a file or directory under m's linkFree
@@ -556,4 +422,157 @@ func (m *mount) linkErr() (what string, class error) {
 // of a link or a file where a directory should be.
 func isLinkRefusal(err error) bool {
 	return (errors.Is(err, ErrPolicy) || errors.Is(err, ErrInvalid)) && (errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR))
+}
+
+// mountWatch watches the mounts: their capacity from statfs
+// (refreshCapacity), whether they keep spares (spareEligible), their
+// refusal of stores and the probes that end it (storeEnded, reprobe:
+// mountfail.go), and Open's report of them (reportMounts).
+type mountWatch struct {
+	mounts  []*mount // set as Open adds them
+	cfg     []Mount  // Config.Mounts
+	noReuse bool     // Config.NoReuse
+	fsync   bool     // Config.Fsync
+	memory  int64    // the machine's memory (Config.Memory)
+	fs      fsys.FS
+	log     *slog.Logger
+	now     func() time.Time
+	space   *space.Space
+	own     *ownFiles // the owner files of mounts that take files late; the probes' files
+	rm      *remover  // the probes' removal
+}
+
+// refreshCapacity recomputes m's capacity from statfs, at most once per
+// second unless force (after an ENOSPC): other writers on the file system
+// (other nodes of a shared mount, other programs) change what it can hold.
+func (mw *mountWatch) refreshCapacity(m *mount, force bool) {
+	mw.refreshCapacityLess(m, force, 0)
+}
+
+// refreshCapacityLess is refreshCapacity where notOnDisk bytes of the
+// mount's used hold nothing on the file system (Space.Refresh).
+func (mw *mountWatch) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
+	if !mw.space.RefreshDue(m.sp, mw.now(), force) {
+		return
+	}
+	st, err := mw.fs.Statfs(m.root)
+	if err != nil {
+		mw.log.Warn("engine: statfs", "mount", m.root, "err", err)
+		return
+	}
+	mw.space.Refresh(m.sp, st, notOnDisk)
+}
+
+// reportMounts describes each mount (describeMount: its file system and
+// the device class a tiering policy is told) and logs, once at Open, that
+// description, its capacity, I/O mode, backend and checksums, and warns
+// where the configured capacity is more than the file system can hold.
+func (mw *mountWatch) reportMounts() {
+	for i, m := range mw.mounts {
+		m.desc = describeMount(mw.fs, mw.log, m, mw.cfg[i].DeviceClass)
+		mw.refreshCapacity(m, true)
+		used, capacity := mw.space.Usage(m.sp)
+		// The budget is settled once, from the capacity at Open: 0 where
+		// the mount keeps no spares, so that an Ahead above 0 alone says
+		// it makes them ahead (ahead.go).
+		ahead, files, most := m.sp.Ahead()
+		auto := ahead == PreallocateAuto
+		switch {
+		case !mw.spareEligible(m):
+			if ahead > 0 && m.unwritable == nil {
+				mw.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on and no cluster_capacity",
+					"mount", m.root, "preallocate", ahead)
+			}
+			ahead = 0
+		case auto:
+			ahead, files = AutoPreallocate(capacity, mw.memory), MaxAutoSpareFiles
+			most = AutoPreallocateMax(capacity, mw.memory)
+		}
+		mw.space.SetAhead(m.sp, ahead, files, most)
+		configured, reserve, derived := m.sp.Configured()
+		fsName, from := m.desc.fsName, "detected"
+		if fsName == "" {
+			fsName = "unknown"
+		}
+		if m.desc.configured {
+			from = "configured"
+		}
+		mw.log.Info("engine: mount", "mount", m.root, "device_class", className(m.desc.class), "device_class_from", from,
+			"fs", fsName, "fs_magic", fmt.Sprintf("%#x", m.desc.fsType), "direct_io", m.direct, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
+			"checksums", m.checksums, "fsync_before_rename", mw.fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", reserve, "preallocate", ahead, "preallocate_auto", auto, "preallocate_max", max(ahead, most))
+		switch {
+		case mw.warnRefusing(m, fsName, capacity):
+		case configured > capacity && !derived:
+			mw.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
+				"mount", m.root, "configured", configured, "effective", capacity, "reserve", reserve)
+		}
+	}
+}
+
+// warnRefusing logs, where Open found that every store on m will fail —
+// a read-only file system, a directory the daemon's user may not write,
+// no room at all (capacity 0) — one warning naming the mount, why and what
+// to do, starts m's refusal of stores (StoreFailure, no store counted) and
+// reports true; else it reports false.
+func (mw *mountWatch) warnRefusing(m *mount, fsName string, capacity int64) bool {
+	const loads = "; the files on it are still loaded"
+	var why string
+	var room int64 // Open's finding: no room for any file
+	switch {
+	case errors.Is(m.unwritable, syscall.EROFS):
+		why = "read-only file system"
+		mw.log.Warn("engine: the mount is on a read-only file system: every store there fails"+loads,
+			"mount", m.root, "fs", fsName, "fix", "remount it read-write (mount -o remount,rw), or name a directory on a writable file system")
+	case m.unwritable != nil:
+		why = "cannot make files: " + m.unwritable.Error()
+		mw.log.Warn("engine: the daemon's user cannot make files on the mount: every store there fails"+loads,
+			"mount", m.root, "fs", fsName, "err", m.unwritable, "fix", "give the daemon's user write access to the directory (chown, or run the daemon as its owner)")
+	case capacity <= 0:
+		var avail int64
+		if st, err := mw.fs.Statfs(m.root); err == nil {
+			avail = st.Avail
+		}
+		configured, reserve, _ := m.sp.Configured()
+		room = probeBytes
+		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, reserve)
+		mw.log.Warn("engine: the mount has no room: every store there fails until it has"+loads,
+			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", reserve, "configured", configured,
+			"fix", noRoomFix)
+	default:
+		return false
+	}
+	m.refuse(why+" (found at start)", room, 0, mw.now())
+	return true
+}
+
+// spareEligible reports whether m keeps evicted files as spares (not on
+// a mount Open found unwritable while no file has been made there since:
+// no spare could be made there).
+func (mw *mountWatch) spareEligible(m *mount) bool {
+	return mw.spareCapable(m) && !m.spareless.Load()
+}
+
+// spareCapable reports whether m may keep spares once it takes files: a
+// memory mount in kvhost's layout, with reuse on, and no cluster capacity
+// (no node's summary would count its spares against the bound).
+func (mw *mountWatch) spareCapable(m *mount) bool {
+	return m.memory && m.raw == nil && !mw.noReuse && mw.cfg[m.idx].ClusterCapacity == 0
+}
+
+// tookFile records that a file was made on m: a store's or a move's copy
+// that succeeded, a probe that passed (reprobe). Where Open found m
+// unwritable (a read-only tmpfs since remounted read-write), m keeps
+// spares from then on, under an owner file made first (openOwner), as a
+// mount writable at start does; the spares made ahead (Mount.Preallocate),
+// whose budget Open settled at 0, wait for a restart. Elsewhere it costs
+// one atomic load.
+func (mw *mountWatch) tookFile(m *mount) {
+	if !m.spareless.Load() || !m.mending.CompareAndSwap(false, true) {
+		return // writable from the start, or another file's success came first
+	}
+	if mw.spareCapable(m) {
+		mw.own.openOwner(m)
+		mw.log.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
+	}
+	m.spareless.Store(false)
 }

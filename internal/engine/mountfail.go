@@ -43,31 +43,6 @@ func mountFault(err error) bool {
 	return false
 }
 
-// storeEnded records how the store of one file of size bytes on m ended
-// (storeFile, and the copy of a move to m: copyFile):
-// a success ends the mount's StoreFailure, a failure of the mount's own
-// (mountFault) starts or extends it, and any other failure leaves it as
-// it is. A success is also a file made on m (tookFile). A success costs
-// two atomic loads while the mount stores (and a swap where it ends a
-// failure); the clock is read only for a failure.
-func (e *Engine) storeEnded(m *mount, size int64, err error) {
-	if err == nil {
-		if f := m.failing.Load(); f != nil {
-			m.failing.CompareAndSwap(f, nil) // a newer failure stays
-		}
-		e.tookFile(m)
-		return
-	}
-	if !mountFault(err) {
-		return
-	}
-	var room int64
-	if errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
-		room = max(size, 1)
-	}
-	m.refuse(err.Error(), room, 1, e.cfg.Now())
-}
-
 // refuse starts m's StoreFailure, or extends the one it has, with a
 // failure of text why (room: for lack of room for a file of that many
 // bytes; 0 for another reason), adding stores to its count.
@@ -105,6 +80,31 @@ const (
 	probeBytes = 4096
 )
 
+// storeEnded records how the store of one file of size bytes on m ended
+// (storeFile, and the copy of a move to m: copyFile):
+// a success ends the mount's StoreFailure, a failure of the mount's own
+// (mountFault) starts or extends it, and any other failure leaves it as
+// it is. A success is also a file made on m (tookFile). A success costs
+// two atomic loads while the mount stores (and a swap where it ends a
+// failure); the clock is read only for a failure.
+func (mw *mountWatch) storeEnded(m *mount, size int64, err error) {
+	if err == nil {
+		if f := m.failing.Load(); f != nil {
+			m.failing.CompareAndSwap(f, nil) // a newer failure stays
+		}
+		mw.tookFile(m)
+		return
+	}
+	if !mountFault(err) {
+		return
+	}
+	var room int64
+	if errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
+		room = max(size, 1)
+	}
+	m.refuse(err.Error(), room, 1, mw.now())
+}
+
 // reprobe ends the refusal of stores of each mount where it has stood
 // for reprobeAfter since its latest failure and since the mount's last
 // probe, if the mount takes a file again (takesFiles). Without it a
@@ -112,9 +112,9 @@ const (
 // demoted, an idle daemon) would report its refusal for ever once the
 // operator has mended it (RATIONALE.md, "Why does the engine probe a
 // mount that refuses stores?"). Only the tier driver calls it.
-func (e *Engine) reprobe() {
-	now := e.cfg.Now()
-	for _, m := range e.mounts {
+func (mw *mountWatch) reprobe() {
+	now := mw.now()
+	for _, m := range mw.mounts {
 		f := m.failing.Load()
 		if f == nil || now.Sub(f.Last) < reprobeAfter || now.Sub(m.probed) < reprobeAfter {
 			continue
@@ -123,15 +123,15 @@ func (e *Engine) reprobe() {
 			continue // an eviction runs there: a store's outcome is on its way
 		}
 		m.probed = now
-		err := e.takesFiles(m, f.room)
+		err := mw.takesFiles(m, f.room)
 		m.evictMu.Unlock()
 		if err != nil {
-			e.cfg.Logger.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
+			mw.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
 			continue
 		}
-		e.tookFile(m)
+		mw.tookFile(m)
 		if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
-			e.cfg.Logger.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
+			mw.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
 		}
 	}
 }
@@ -144,8 +144,8 @@ func (e *Engine) reprobe() {
 // within the cluster's bound as last read: a store of the size that
 // failed fails for lack of either, and the probe's own small file may
 // fit where it does not. Else it returns why not.
-func (e *Engine) takesFiles(m *mount, room int64) error {
-	f, tmp, op, err := e.own.createFile(m, m.root, probePrefix, 0, probeBytes)
+func (mw *mountWatch) takesFiles(m *mount, room int64) error {
+	f, tmp, op, err := mw.own.createFile(m, m.root, probePrefix, 0, probeBytes)
 	if err != nil {
 		return fmt.Errorf("engine: probe %s: %s: %w", m.root, op, err)
 	}
@@ -155,7 +155,7 @@ func (e *Engine) takesFiles(m *mount, room int64) error {
 		// which statfs may not show: allocate the size that failed.
 		err = f.Allocate(room)
 	}
-	e.rm.removeTemp(m, tmp, f, probeBytes)
+	mw.rm.removeTemp(m, tmp, f, probeBytes)
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
@@ -165,9 +165,9 @@ func (e *Engine) takesFiles(m *mount, room int64) error {
 	if room <= 0 {
 		return nil
 	}
-	e.refreshCapacity(m, true)
-	if !e.space.Fits(m.sp, room, space.High) {
-		used, capacity := e.space.Usage(m.sp)
+	mw.refreshCapacity(m, true)
+	if !mw.space.Fits(m.sp, room, space.High) {
+		used, capacity := mw.space.Usage(m.sp)
 		return fmt.Errorf("%w: mount %s: %d of %d bytes used, no room for %d below the high watermark", ErrNoSpace, m.root, used, capacity, room)
 	}
 	if c := m.cluster; c != nil && !c.FitsBound(room) {

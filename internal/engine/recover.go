@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,16 +13,32 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
+// recovery is Open's rebuild of the index from the files on the mounts:
+// it lives for the scan only.
+type recovery struct {
+	mounts  []*mount
+	workers int // Config.IOWorkers: the scan reads headers with twice as many
+	log     *slog.Logger
+	fs      fsys.FS
+	hd      *headerReader
+	own     *ownFiles // temporary leftovers, owner files and live spares
+	rm      *remover  // corrupt files and leftovers removed
+	ix      *index.Index
+	tables  *tables
+	tier    *tiering       // copies left by a move cut short
+	corrupt *atomic.Uint64 // Stats.Corrupt
+}
+
 // rebuild scans every mount: it removes temporary leftovers (older than
 // TempGrace) and indexes every file whose header decodes, reading headers
 // only, in parallel. Files that are not kvhost files are left alone.
-func (e *Engine) rebuild(ctx context.Context) error {
+func (rc *recovery) rebuild(ctx context.Context) error {
 	type item struct {
 		mount int
 		path  string
@@ -36,23 +53,23 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		owners  liveOwners   // the owner files the walkers asked about
 		// others counts, per mount, the owner files of other engines
 		// running on its directory (sharedWithoutBound).
-		others = make([]atomic.Int32, len(e.mounts))
+		others = make([]atomic.Int32, len(rc.mounts))
 	)
 	var readers sync.WaitGroup
-	for range max(4, 2*e.cfg.IOWorkers) {
+	for range max(4, 2*rc.workers) {
 		readers.Add(1)
 		go func() {
 			defer readers.Done()
 			for it := range files {
-				en, err := e.hd.readEntry(it.mount, it.path)
-				bad := err != nil && e.removeCorrupt(e.mounts[it.mount], it.path, err)
+				en, err := rc.hd.readEntry(it.mount, it.path)
+				bad := err != nil && rc.removeCorrupt(rc.mounts[it.mount], it.path, err)
 				mu.Lock()
 				switch {
 				case bad:
 					corrupt++
 				case err != nil:
 					skipped++
-					e.cfg.Logger.Debug("engine: rebuild: skipping file", "path", it.path, "err", err)
+					rc.log.Debug("engine: rebuild: skipping file", "path", it.path, "err", err)
 				default:
 					found = append(found, en)
 				}
@@ -66,7 +83,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		ents, err := e.fs.ReadDir(dir)
+		ents, err := rc.fs.ReadDir(dir)
 		if err != nil {
 			return err
 		}
@@ -75,14 +92,14 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			path := filepath.Join(dir, name)
 			if strings.HasPrefix(name, ".") {
 				if strings.HasPrefix(name, ownerPrefix) && d.Type().IsRegular() {
-					if dir == e.mounts[mount].root {
-						if !owners.held(e.own, e.mounts[mount], path) {
+					if dir == rc.mounts[mount].root {
+						if !owners.held(rc.own, rc.mounts[mount], path) {
 							// An ended engine's owner file: its flock is free
 							// (this engine's own reads as held: ownerHeld).
-							if err := e.rm.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
+							if err := rc.rm.removeFile(rc.mounts[mount], path, fsys.Identity{}); err == nil {
 								cleaned.Add(1)
 							}
-						} else if name != e.own.ownerName() {
+						} else if name != rc.own.ownerName() {
 							// Another engine's: another process's, in
 							// another container maybe with this pid, or
 							// one of this process (kvhost bench
@@ -94,14 +111,14 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					continue
 				}
 				if rest, ok := strings.CutPrefix(name, sparePrefix); ok && d.Type().IsRegular() {
-					if e.own.spareLive(&owners, e.mounts[mount], rest) {
+					if rc.own.spareLive(&owners, rc.mounts[mount], rest) {
 						continue // a running engine's, about to be written
 					}
 					// Never anyone's data: a spare of an engine that
 					// ended (or, named before owners, of one that will
 					// find it gone and write a fresh file instead).
-					if err := e.rm.removeFile(e.mounts[mount], path, fsys.Identity{}); err != nil {
-						e.cfg.Logger.Warn("engine: leftover spare file", "path", path, "err", err)
+					if err := rc.rm.removeFile(rc.mounts[mount], path, fsys.Identity{}); err != nil {
+						rc.log.Warn("engine: leftover spare file", "path", path, "err", err)
 					} else {
 						cleaned.Add(1)
 					}
@@ -111,9 +128,9 @@ func (e *Engine) rebuild(ctx context.Context) error {
 				if !d.Type().IsRegular() || !tmp {
 					continue // the host's other names, never a policy's
 				}
-				removed, err := e.own.cleanTemp(e.mounts[mount], path, rest)
+				removed, err := rc.own.cleanTemp(rc.mounts[mount], path, rest)
 				if err != nil {
-					e.cfg.Logger.Warn("engine: leftover temporary file", "path", path, "err", err)
+					rc.log.Warn("engine: leftover temporary file", "path", path, "err", err)
 				}
 				if removed {
 					cleaned.Add(1)
@@ -125,7 +142,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 				if err := walk(mount, path); err != nil {
 					return err
 				}
-			case d.Type().IsRegular() && e.mounts[mount].raw != nil && name == vllmfs.ConfigFile:
+			case d.Type().IsRegular() && rc.mounts[mount].raw != nil && name == vllmfs.ConfigFile:
 				// A vllm-fs base directory's fields, read at Open.
 			case d.Type().IsRegular():
 				files <- item{mount, path}
@@ -136,7 +153,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	start := time.Now()
 	var walkers sync.WaitGroup
 	var walkMu sync.Mutex
-	for i, m := range e.mounts {
+	for i, m := range rc.mounts {
 		walkers.Add(1)
 		go func() {
 			defer walkers.Done()
@@ -169,27 +186,22 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	// Oldest first, so that where two files hold one key (e.g. renamed by
 	// hand) the newest wins the key; both stay indexed by path.
 	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.Last, b.Last) })
-	found = e.tier.dedupe(found) // copies left by a move cut short (demote.go)
+	found = rc.tier.dedupe(found) // copies left by a move cut short (demote.go)
 	ids := make([]NamespaceID, len(found))
 	for i, en := range found {
-		en.NS = uint32(e.tables.namespaceOf(en.FP))
+		en.NS = uint32(rc.tables.namespaceOf(en.FP))
 		ids[i] = NamespaceID(en.NS)
 	}
-	e.ix.InsertAll(found)
-	e.tables.adoptDone(ids...)
-	e.st.corrupt.Add(uint64(corrupt))
+	rc.ix.InsertAll(found)
+	rc.tables.adoptDone(ids...)
+	rc.corrupt.Add(uint64(corrupt))
 	for i := range others {
 		if n := others[i].Load(); n > 0 {
-			e.sharedWithoutBound(e.mounts[i], int(n))
+			rc.sharedWithoutBound(rc.mounts[i], int(n))
 		}
 	}
-	e.cfg.Logger.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
+	rc.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
 	return nil
-}
-
-// restore tells the policy about every indexed entry (AccessRestore).
-func (e *Engine) restore(ctx context.Context) {
-	e.access(ctx, e.ix.Records(abi.AccessRestore))
 }
 
 // removeCorrupt removes, at rebuild, a file that is a kvhost file (its
@@ -198,11 +210,11 @@ func (e *Engine) restore(ctx context.Context) {
 // accounting, forever. Files that are not kvhost files, or of a version
 // this build does not read, are left alone. It reports whether the file
 // was corrupt (and removed, if it was still the file read).
-func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
+func (rc *recovery) removeCorrupt(m *mount, path string, readErr error) bool {
 	if !errors.Is(readErr, ErrCorrupt) || errors.Is(readErr, format.ErrBadMagic) || errors.Is(readErr, format.ErrVersion) {
 		return false
 	}
-	f, err := e.hd.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
+	f, err := rc.hd.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
 	if err != nil {
 		return false
 	}
@@ -215,16 +227,16 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	if err != nil {
 		return false
 	}
-	fi, err := e.fs.Stat(path)
+	fi, err := rc.fs.Stat(path)
 	if err != nil {
 		return false
 	}
 	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
 		return false
 	}
-	e.cfg.Logger.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
-	if err := e.rm.removeFile(m, path, id); err != nil {
-		e.cfg.Logger.Warn("engine: remove corrupt file", "path", path, "err", err)
+	rc.log.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
+	if err := rc.rm.removeFile(m, path, id); err != nil {
+		rc.log.Warn("engine: remove corrupt file", "path", path, "err", err)
 	}
 	return true
 }
@@ -236,8 +248,8 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 // clients' pins unseen, and writes another key into an evicted file it
 // keeps as a spare: a load of a key another engine's client pinned fails
 // where this engine evicted its file first, which stops vLLM's worker.
-func (e *Engine) sharedWithoutBound(m *mount, n int) {
-	e.cfg.Logger.Warn(SharedDirectoryWarning, "mount", m.root, "other_engines", n)
+func (rc *recovery) sharedWithoutBound(m *mount, n int) {
+	rc.log.Warn(SharedDirectoryWarning, "mount", m.root, "other_engines", n)
 }
 
 // SharedDirectoryWarning is the message Open logs, at warning level, for

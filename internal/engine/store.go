@@ -72,7 +72,7 @@ type group struct {
 // and many short holds queue 2 MiB stores on many jobs (RATIONALE.md,
 // "Why does a store take the engine's lock as few times as it can?").
 func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size int64, full bool) (spareFile, error) {
-	spares := e.spareEligible(m)
+	spares := e.watch.spareEligible(m)
 	ahead := spares && e.maker != nil && m.sp.MakesAhead()
 	// step is the reservation's step in the space (space.StoreReserve):
 	// with fast, a reservation below the high watermark, or nothing. The
@@ -385,7 +385,7 @@ func (e *Engine) replacing(path string, old *entry) error {
 func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) (err error) {
 	m := e.mounts[gr.mount]
 	size := gr.hdr.FileLen()
-	defer func() { e.storeEnded(m, size, err) }()
+	defer func() { e.watch.storeEnded(m, size, err) }()
 	mv, err := m.mover(c.kind)
 	if err != nil {
 		return err
@@ -414,7 +414,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 				e.own.trimSpares(m, true) // they hold pages
 				// This store's reservation, still counted as used, holds
 				// no bytes there now: its file was removed.
-				e.refreshCapacityLess(m, true, size)
+				e.watch.refreshCapacityLess(m, true, size)
 				e.evict(ctx, m, 0)
 				m.evictMu.Unlock()
 				continue

@@ -77,7 +77,7 @@ type ownFiles struct {
 	rm    *remover  // removes files under a mount's rules (removal.go)
 	lock  fsys.File // Config.LockFile, flocked for the engine's life
 	// The spares (spares.go): their room on the mounts, which mounts
-	// keep them (Engine.spareEligible), and the count of those reused
+	// keep them (mountWatch.spareEligible), and the count of those reused
 	// (Stats.Reused).
 	sp       *space.Space
 	eligible func(*mount) bool
