@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -800,6 +801,8 @@ func TestCrashMidDemotion(t *testing.T) {
 // stored key (a key whose file moved between its lookup and its check or
 // pin is found at the new place; a pinned file is not moved) and a load
 // always gets its bytes. Every lookup checks the file (VerifyInterval 0).
+// A store the loads' pins refuse room is stored once they let a file go
+// (storeBesideLoads).
 func TestLoadsDuringDemotions(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true)
@@ -866,8 +869,9 @@ func TestLoadsDuringDemotions(t *testing.T) {
 			}
 		}
 	}()
+	refused := 0
 	for i := 2; i < n; i++ {
-		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+		refused += storeBesideLoads(t, e, c, keys[i], blocks[i])
 		stored.Store(int64(i + 1))
 	}
 	if err := stop(); err != nil {
@@ -875,6 +879,132 @@ func TestLoadsDuringDemotions(t *testing.T) {
 	}
 	if ts := e.TierStats(); ts.Demotions < n/2 {
 		t.Fatalf("%d demotions of %d keys on a mount of 4 files", ts.Demotions, n)
+	}
+	t.Logf("%d stores refused room while loads pinned the files their demotions moved", refused)
+}
+
+// storeBesideLoads stores key (its blocks) while loads of the stored keys
+// run, and returns how many times the store was refused room first. The
+// loads pin the few files of a small hot mount one after another, and a
+// file a load pins is not moved: a demotion whose source a load pins
+// during its copy drops the copy. Where the loads pinned every file an
+// eviction tried to demote, nothing is freed and the store fails with
+// ErrNoSpace, as it must; it is stored again once the loads let a file
+// go. Any other outcome fails the test.
+func storeBesideLoads(t *testing.T, e *Engine, c *testCache, key []byte, blocks []int) (refused int) {
+	t.Helper()
+	testwait.Until(t, fmt.Sprintf("room for the store of %q beside the loads", key), testwait.Hang, func() bool {
+		res := wait(t)(e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: [][]byte{key}, Blocks: [][]int{blocks}}))
+		switch k := res.Keys[0]; {
+		case k.Outcome == OutcomeStored:
+			return true
+		case k.Outcome == OutcomeFailed && errors.Is(k.Err, ErrNoSpace):
+			refused++
+			return false
+		default:
+			t.Fatalf("store of %q: %v (%v), want stored, or refused room while loads pin the files", key, k.Outcome, k.Err)
+			return false
+		}
+	})
+	return refused
+}
+
+// TestAStoreWhoseDemotionsPinsOvertakeIsRefusedRoomUntilTheyEnd pins
+// each file of a full hot mount while its demotion copies it, as a load
+// does that comes then: a pinned file is not moved, so each copy is
+// dropped and the eviction frees nothing. The store fails with
+// ErrNoSpace, with no move failed and no copy left on the cold mount;
+// once the pins end, the store is stored (what TestLoadsDuringDemotions's
+// stores wait for).
+func TestAStoreWhoseDemotionsPinsOvertakeIsRefusedRoomUntilTheyEnd(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	var (
+		e      *Engine
+		ns     NamespaceID
+		mu     sync.Mutex
+		toPin  = map[string][]byte{} // a hot file's path -> its key, pinned when a copy opens it
+		pinned []PinID
+	)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op != fsys.OpOpen {
+			return fsys.Fault{}
+		}
+		mu.Lock()
+		key, ok := toPin[path]
+		delete(toPin, path) // the pin's own opening of the file is no copy's
+		mu.Unlock()
+		if ok {
+			id, got, err := e.Pin(ctx, ns, [][]byte{key}, 0)
+			if err != nil || !got[0] {
+				t.Errorf("pin of %q during its demotion: %v, %v", key, got, err)
+			}
+			mu.Lock()
+			pinned = append(pinned, id)
+			mu.Unlock()
+		}
+		return fsys.Fault{}
+	})
+	cold := t.TempDir()
+	e = openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 4 * fileLen, HighWatermark: 0.9, LowWatermark: 0.5}, {Path: cold}},
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, TickInterval: -1, NewPolicy: tieredPolicies(t, nil)["native-tiered"]})
+	var err error
+	if ns, err = e.Declare(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	blocks := [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(9, 9)), blocks[0])
+	keys := testKeys("overtaken", 5)
+	armAll := func(ks [][]byte) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, k := range ks {
+			toPin[entryOf(e, ns, k).Path] = k
+		}
+	}
+	store := func(k []byte) KeyResult {
+		return wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: blocks})).Keys[0]
+	}
+	for _, k := range keys[:3] { // 3 files: below the high watermark (3.6)
+		storeAndCheck(t, e, c, [][]byte{k}, blocks)
+	}
+	// The fourth file's eviction demotes two, each pinned during its
+	// copy: nothing is freed, and the file fits below the capacity.
+	armAll(keys[:3])
+	if k := store(keys[3]); k.Outcome != OutcomeStored {
+		t.Fatalf("store of the fourth file: %v (%v), want stored below the capacity", k.Outcome, k.Err)
+	}
+	// The fifth's eviction finds the two files left unpinned, and each is
+	// pinned during its copy: no room.
+	armAll(keys[2:4])
+	k := store(keys[4])
+	if k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) {
+		t.Fatalf("store of a fifth file on a hot mount of 4, each file pinned during its demotion: %v (%v), want ErrNoSpace", k.Outcome, k.Err)
+	}
+	mu.Lock()
+	n := len(pinned)
+	mu.Unlock()
+	if n != 4 {
+		t.Fatalf("%d files pinned during their demotions, want 4: the test proves nothing", n)
+	}
+	if ts := e.TierStats(); ts.Demotions != 0 || ts.MoveFailures != 0 {
+		t.Fatalf("%d demotions, %d move failures; want none: a move whose file a pin overtook is dropped, and is no failure", ts.Demotions, ts.MoveFailures)
+	}
+	if left := dataFiles(t, cold); len(left) != 0 {
+		t.Fatalf("copies left on the cold mount: %v", left)
+	}
+	for _, id := range pinned {
+		if n := e.Unpin(ctx, id); n != 1 {
+			t.Fatalf("unpin of %d let %d files go, want 1", id, n)
+		}
+	}
+	if k := store(keys[4]); k.Outcome != OutcomeStored {
+		t.Fatalf("store of the fifth file once the pins ended: %v (%v), want stored", k.Outcome, k.Err)
+	}
+	if ts := e.TierStats(); ts.Demotions == 0 {
+		t.Fatal("the fifth file was stored with no demotion")
 	}
 }
 
