@@ -1196,7 +1196,7 @@ class TestNoBlock(unittest.TestCase):
 
 class TestFingerprints(unittest.TestCase):
     """The fingerprints a Declared reply can carry, computed as the daemon
-    computes them (host/engine pins the same values)."""
+    computes them (internal/engine pins the same values)."""
 
     def test_a_geometrys_fingerprint_is_the_daemons(self):
         g = kvhost.Geometry(model="meta-llama/Llama-3.1-8B", layers=32, kv_heads=8, head_size=128, dtype_size=2,

@@ -24,7 +24,7 @@ PARSED = textwrap.dedent("""\
     M=10 P=1 G=7 StateTransition Time=2000 GoID=7 Runnable->Running Reason=""
     TransitionStack=
     \tgithub.com/kvhost/kvhost/internal/engine.(*Engine).loadFile @ 0x1
-    \t\t/src/host/engine/load.go:1
+    \t\t/src/internal/engine/load.go:1
     M=10 P=1 G=7 StateTransition Time=3000002000 GoID=7 Running->Syscall Reason=""
     TransitionStack=
     \tgolang.org/x/sys/unix.pread @ 0x2
@@ -32,12 +32,12 @@ PARSED = textwrap.dedent("""\
     \tgithub.com/kvhost/kvhost/fsys.(*osFile).ReadAt @ 0x3
     \t\t/src/fsys/os.go:1
     \tgithub.com/kvhost/kvhost/internal/engine.(*Engine).loadFile @ 0x4
-    \t\t/src/host/engine/load.go:2
+    \t\t/src/internal/engine/load.go:2
     M=10 P=1 G=7 StateTransition Time=3002002000 GoID=7 Syscall->Running Reason=""
     M=10 P=1 G=7 StateTransition Time=3004002000 GoID=7 Running->Waiting Reason=""
     TransitionStack=
     \tgithub.com/kvhost/kvhost/internal/engine.(*Engine).loadFile @ 0x5
-    \t\t/src/host/engine/load.go:3
+    \t\t/src/internal/engine/load.go:3
     """)
 
 WALL0 = 1795737600 * 10**9 + 1000  # 2026-11-27T00:00:00.000001Z in ns
@@ -75,7 +75,7 @@ class TestThreadStatesScript(unittest.TestCase):
         row = [line for line in out.splitlines() if "unix.pread" in line]
         self.assertEqual(len(row), 1, out)
         self.assertEqual(row[0].split()[:3], ["2.0", "ms", "1x"])
-        self.assertIn("internal/fsys.(*osFile).ReadAt < host/engine.(*Engine).loadFile", row[0])
+        self.assertIn("fsys.(*osFile).ReadAt < internal/engine.(*Engine).loadFile", row[0])
 
     def test_states_counts_runnable_and_sleeping_threads_per_sample(self):
         samples = self.dir / "samples"
