@@ -59,14 +59,17 @@ func (g *callGate) closing() bool { return g.n.Load() >= gateClosed }
 
 // enterNamespace is the prologue of a public call on namespace ns: it
 // enters the call (calls.enter: refused once the engine closes) and finds
-// ns. The caller defers exit, which ends the call.
-func (e *Engine) enterNamespace(ns NamespaceID) (n *namespace, exit func(), err error) {
+// ns. On success the caller defers e.busy.calls.exit(), which ends the
+// call; it is not returned as a func value, which escaped to the heap
+// on every lookup.
+func (e *Engine) enterNamespace(ns NamespaceID) (*namespace, error) {
 	if err := e.busy.calls.enter(); err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	if n, err = e.tables.namespace(ns); err != nil {
+	n, err := e.tables.namespace(ns)
+	if err != nil {
 		e.busy.calls.exit()
-		return nil, nil, err
+		return nil, err
 	}
-	return n, e.busy.calls.exit, nil
+	return n, nil
 }

@@ -16,11 +16,11 @@ import (
 // pin holds (Pin) is refused: it stays stored and is not counted. A load that has not yet
 // opened a deleted file reports it missing.
 func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
-	n, exit, err := e.enterNamespace(ns)
+	n, err := e.enterNamespace(ns)
 	if err != nil {
 		return 0, err
 	}
-	defer exit()
+	defer e.busy.calls.exit()
 	// The entries first: removing a file unindexes its other keys.
 	byEntry := map[*entry]int{} // requested keys held by each entry
 	var order []*entry

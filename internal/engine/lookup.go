@@ -84,11 +84,11 @@ func (nm *namer) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int
 // index is looked for under its policy name, so files published by another
 // node sharing the mount are found.
 func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
-	n, exit, err := e.enterNamespace(ns)
+	n, err := e.enterNamespace(ns)
 	if err != nil {
 		return 0, err
 	}
-	defer exit()
+	defer e.busy.calls.exit()
 	// The index's lock is taken twice, whatever the number of keys: once
 	// to find every key's entry, once to count the hits. Loads and stores
 	// take the same lock; a lookup that took it per key queued behind them

@@ -57,11 +57,11 @@ type clientPin struct {
 // that fails the check is dropped as in Lookup, and the key is not pinned.
 // Pinning counts as a hit (or a miss) as Lookup does.
 func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (PinID, []bool, error) {
-	n, exit, err := e.enterNamespace(ns)
+	n, err := e.enterNamespace(ns)
 	if err != nil {
 		return 0, nil, err
 	}
-	defer exit()
+	defer e.busy.calls.exit()
 	if lease < 0 {
 		return 0, nil, fmt.Errorf("%w: lease %v: want >= 0", ErrInvalid, lease)
 	}
