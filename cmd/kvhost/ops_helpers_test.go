@@ -17,14 +17,13 @@ import (
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/config"
 	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
+	"github.com/kvhost/kvhost/internal/metrics/metricstest"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwasm"
 )
@@ -430,8 +429,7 @@ func scrapeMetrics(t *testing.T, addr string) map[string]*dto.MetricFamily {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("/metrics: %s", resp.Status)
 	}
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := p.TextToMetricFamilies(resp.Body)
+	fams, err := metricstest.Parse(resp.Body)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -439,33 +437,13 @@ func scrapeMetrics(t *testing.T, addr string) map[string]*dto.MetricFamily {
 }
 
 // metricValue is the value (a histogram's count) of the first series of
-// name whose labels include want; -1 if there is none.
+// name whose labels include want (name, value pairs); -1 if there is none.
 func metricValue(fams map[string]*dto.MetricFamily, name string, want ...string) float64 {
-	f := fams[name]
-	if f == nil {
-		return -1
+	labels := map[string]string{}
+	for i := 0; i+1 < len(want); i += 2 {
+		labels[want[i]] = want[i+1]
 	}
-series:
-	for _, m := range f.Metric {
-		for i := 0; i+1 < len(want); i += 2 {
-			found := false
-			for _, l := range m.Label {
-				found = found || (l.GetName() == want[i] && l.GetValue() == want[i+1])
-			}
-			if !found {
-				continue series
-			}
-		}
-		switch {
-		case m.Counter != nil:
-			return m.Counter.GetValue()
-		case m.Gauge != nil:
-			return m.Gauge.GetValue()
-		case m.Histogram != nil:
-			return float64(m.Histogram.GetSampleCount())
-		}
-	}
-	return -1
+	return metricstest.Value(fams, name, labels)
 }
 
 var (
