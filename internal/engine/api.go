@@ -359,6 +359,47 @@ type LoadRequest struct {
 	// at least one of them not NoBlock); no block may appear twice in
 	// one request.
 	Blocks [][]int
+	// Layers, when not zero, restricts the load to those layers of every
+	// key: only their bytes are read, moved and verified (with the file's
+	// per-layer checksums where it has them, else through the key's
+	// checksum, for which the key's other layers are read too but never
+	// written); the other layers of the blocks are left as they are. The
+	// zero value loads every layer.
+	Layers LayerRange
+}
+
+// LayerRange is the layers [First, First+Count) of a load; the zero value
+// is every layer.
+type LayerRange struct {
+	// First is the first layer of the range (0 when Count is 0).
+	First int
+	// Count is the number of layers; 0 means every layer.
+	Count int
+}
+
+// all reports whether r is the zero value: every layer.
+func (r LayerRange) all() bool { return r.Count == 0 }
+
+// String writes r as [first, first+count), or "all layers".
+func (r LayerRange) String() string {
+	if r.all() && r.First == 0 {
+		return "all layers"
+	}
+	return fmt.Sprintf("layers [%d, %d)", r.First, r.First+r.Count)
+}
+
+// check validates r against a namespace of layers layers.
+func (r LayerRange) check(layers int) error {
+	if r.Count == 0 {
+		if r.First != 0 {
+			return fmt.Errorf("%w: layer range first %d with count 0: count 0 means every layer, first must be 0 then", ErrInvalid, r.First)
+		}
+		return nil
+	}
+	if r.First < 0 || r.Count < 1 || r.First+r.Count > layers {
+		return fmt.Errorf("%w: layer range first %d count %d: want 0 <= first, count >= 1, first+count <= %d layers", ErrInvalid, r.First, r.Count, layers)
+	}
+	return nil
 }
 
 // Outcome is what happened to one key of a job. It is the engine's own

@@ -25,6 +25,12 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 	if err := distinctBlocks(req.Blocks); err != nil {
 		return nil, err
 	}
+	if err := req.Layers.check(c.ns.geo.Layers); err != nil {
+		return nil, err
+	}
+	if !req.Layers.all() {
+		return nil, fmt.Errorf("%w: %v: layer ranges are not supported yet", ErrInvalid, req.Layers)
+	}
 	keys, blocks := cloneRequest(req.Keys, req.Blocks)
 	j, jctx, err := e.newJob(ctx, "load", len(keys))
 	if err != nil {
