@@ -51,6 +51,13 @@ const (
 	MaxKeys = 256
 	// MaxHeaderLen bounds the header area.
 	MaxHeaderLen = 1 << 20
+	// LayerSumsMagic starts the layer sums block, in the header area's
+	// padding right after the used part.
+	LayerSumsMagic = "KVLSUMS1"
+	// LayerSumsFixedLen is the size of the layer sums block before its
+	// entries: magic, entry count, table checksum, header checksum,
+	// reserved.
+	LayerSumsFixedLen = 24
 )
 
 // Orders of the payload (Header.Order), the same values as abi.Order*.
@@ -95,6 +102,14 @@ type Header struct {
 	// (the field was reserved and zero); readers accept both.
 	ID   uint64
 	Keys []Key // 1..MaxKeys
+	// LayerSums, when not nil, holds len(Keys)·Layers checksums: entry
+	// k·Layers+l is the CRC-32C of key k's segments of layer l (both
+	// planes, every block of the key) in increasing payload offset. They
+	// live in the header area's padding (docs/format.md, "Layer sums"),
+	// outside the used part and its checksum: Encode writes them only
+	// where they fit (LayerSumsFit), Decode returns them where the file
+	// has them. Only with FlagPayloadSums.
+	LayerSums []uint32
 	// Raw describes a file without a header: a row of vLLM's fs-tier
 	// layout (package internal/vllmfs), whose payload starts at offset 0.
 	// Its fields come from the reader's namespace and the file's name,
@@ -106,6 +121,26 @@ type Header struct {
 func (h *Header) KeyBytes() int64 {
 	return int64(h.Layers) * int64(h.Planes) * int64(h.BlocksPerKey) * int64(h.BlockBytes)
 }
+
+// LayerBytes is the payload size of one layer of one key: both planes,
+// every block.
+func (h *Header) LayerBytes() int64 {
+	return int64(h.Planes) * int64(h.BlocksPerKey) * int64(h.BlockBytes)
+}
+
+// LayerSumsLen is the size of the layer sums block of h's keys and layers.
+func (h *Header) LayerSumsLen() int {
+	return LayerSumsFixedLen + 4*len(h.Keys)*int(h.Layers)
+}
+
+// LayerSumsFit reports whether the layer sums block fits in the header
+// area's padding: the header area is never enlarged for it.
+func (h *Header) LayerSumsFit() bool {
+	return !h.Raw && h.UsedLen()+h.LayerSumsLen() <= h.Len()
+}
+
+// LayerSum returns the checksum of layer l of key k (LayerSums).
+func (h *Header) LayerSum(k, l int) uint32 { return h.LayerSums[k*int(h.Layers)+l] }
 
 // PayloadLen is the payload size: every key.
 func (h *Header) PayloadLen() int64 { return int64(len(h.Keys)) * h.KeyBytes() }
@@ -158,6 +193,14 @@ func (h *Header) Validate() error {
 			return bad("key %d: length %d: want 1..%d", i, len(k.Key), MaxKeyLen)
 		}
 	}
+	if h.LayerSums != nil {
+		if h.Flags&FlagPayloadSums == 0 {
+			return bad("layer sums without payload sums")
+		}
+		if len(h.LayerSums) != len(h.Keys)*int(h.Layers) {
+			return bad("%d layer sums for %d keys of %d layers", len(h.LayerSums), len(h.Keys), h.Layers)
+		}
+	}
 	// The keys of one file are distinct: a repeated key would be indexed
 	// twice and a load would find its first copy only.
 	if len(h.Keys) > 1 {
@@ -173,7 +216,9 @@ func (h *Header) Validate() error {
 }
 
 // Encode writes the header area (Len bytes: the header, then zeros) into b,
-// which must be at least Len bytes long.
+// which must be at least Len bytes long. With LayerSums, their block
+// follows the used part where it fits (LayerSumsFit); where it does not,
+// it is left out and the file is valid without it.
 func (h *Header) Encode(b []byte) error {
 	if h.Raw {
 		return ErrRaw
@@ -213,7 +258,20 @@ func (h *Header) Encode(b []byte) error {
 		// e[6:8] reserved
 		copy(e[8:8+MaxKeyLen], k.Key)
 	}
-	le.PutUint32(b[20:], crc32c.Checksum(b[:h.UsedLen()]))
+	headerCRC := crc32c.Checksum(b[:h.UsedLen()])
+	le.PutUint32(b[20:], headerCRC)
+	if h.LayerSums != nil && h.LayerSumsFit() {
+		t := b[h.UsedLen() : h.UsedLen()+h.LayerSumsLen()]
+		copy(t[0:8], LayerSumsMagic)
+		le.PutUint32(t[8:], uint32(len(h.LayerSums)))
+		// t[12:16] table checksum, filled last
+		le.PutUint32(t[16:], headerCRC)
+		// t[20:24] reserved
+		for i, s := range h.LayerSums {
+			le.PutUint32(t[LayerSumsFixedLen+4*i:], s)
+		}
+		le.PutUint32(t[12:], crc32c.Checksum(t))
+	}
 	return nil
 }
 
@@ -251,7 +309,11 @@ func Peek(b []byte) (int, error) {
 
 // Decode parses and verifies the header at the start of b. b must hold at
 // least the used part of the header; a shorter b yields a *TruncatedError.
-// The returned keys alias b.
+// The returned keys alias b. The layer sums block, in the padding after
+// the used part, is read where b holds its start (its magic): give Decode
+// the whole header area (Len bytes) to have them; a b that holds the
+// magic and not the whole block yields a *TruncatedError. A block that
+// fails its checks is ErrCorrupt; no magic there means no layer sums.
 func Decode(b []byte) (*Header, error) {
 	n, err := Peek(b)
 	if err != nil {
@@ -305,7 +367,59 @@ func Decode(b []byte) (*Header, error) {
 	if h.Len() != n {
 		return nil, fmt.Errorf("%w: header length %d, keys need %d", ErrCorrupt, n, h.Len())
 	}
+	if err := h.decodeLayerSums(b, want); err != nil {
+		return nil, err
+	}
 	return h, nil
+}
+
+// decodeLayerSums sets h.LayerSums from the block after the used part of
+// the header area b (whose header checksum is headerCRC), if b holds one.
+func (h *Header) decodeLayerSums(b []byte, headerCRC uint32) error {
+	used, n := h.UsedLen(), h.Len()
+	if n-used < len(LayerSumsMagic) || len(b) < used+len(LayerSumsMagic) || string(b[used:used+len(LayerSumsMagic)]) != LayerSumsMagic {
+		return nil // no layer sums
+	}
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: layer sums: "+format, append([]any{ErrCorrupt}, args...)...)
+	}
+	if n-used < LayerSumsFixedLen {
+		return bad("%d bytes of padding hold no table", n-used)
+	}
+	if len(b) < used+LayerSumsFixedLen {
+		return &TruncatedError{Have: len(b), Need: used + LayerSumsFixedLen}
+	}
+	le := binary.LittleEndian
+	t := b[used:]
+	count := int(le.Uint32(t[8:]))
+	if want := len(h.Keys) * int(h.Layers); count != want {
+		return bad("%d entries, want %d (%d keys of %d layers)", count, want, len(h.Keys), h.Layers)
+	}
+	end := used + h.LayerSumsLen()
+	if end > n {
+		return bad("table of %d bytes past the header area (%d bytes)", h.LayerSumsLen(), n)
+	}
+	if len(b) < end {
+		return &TruncatedError{Have: len(b), Need: end}
+	}
+	t = t[:h.LayerSumsLen()]
+	if hc := le.Uint32(t[16:]); hc != headerCRC {
+		return bad("header checksum 0x%08x, the header's is 0x%08x (a table of another header)", hc, headerCRC)
+	}
+	crc := crc32c.Update(0, t[:12])
+	crc = crc32c.Update(crc, []byte{0, 0, 0, 0})
+	crc = crc32c.Update(crc, t[16:])
+	if wantCRC := le.Uint32(t[12:]); crc != wantCRC {
+		return bad("table checksum 0x%08x, want 0x%08x", crc, wantCRC)
+	}
+	if h.Flags&FlagPayloadSums == 0 {
+		return bad("a table in a file without payload sums")
+	}
+	h.LayerSums = make([]uint32, count)
+	for i := range h.LayerSums {
+		h.LayerSums[i] = le.Uint32(t[LayerSumsFixedLen+4*i:])
+	}
+	return nil
 }
 
 // Match returns the index of key in the file, or an error wrapping

@@ -157,6 +157,12 @@ func FuzzDecodeHeader(f *testing.F) {
 			f.Add(b[:h.UsedLen()])
 		}
 	}
+	h := withLayerSums(2, OrderLayerMajor)
+	b := make([]byte, h.Len())
+	if err := h.Encode(b); err != nil {
+		f.Fatal(err)
+	}
+	f.Add(b[:h.UsedLen()+h.LayerSumsLen()])
 	f.Add([]byte(Magic))
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, b []byte) {
