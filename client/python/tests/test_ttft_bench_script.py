@@ -1,0 +1,88 @@
+"""scripts/ttft-bench.py (issue 84's time-to-first-token benchmark) on CPU:
+a tiny model of the same shape rules (2 layers, hidden 64) against a real
+daemon on a temporary directory, every mode that needs neither CUDA nor
+llm-d. The script must say ok True where each load put back the
+recomputation's bytes, and ok False, with exit status 1, where a stored
+file was corrupted: never a silent pass."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from daemon import REPO, kvhost_binary
+
+try:
+    import torch  # noqa: F401
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
+
+LINE = re.compile(r"ttft P (\d+) S (\d+) mode (\w+) ms (\d+\.\d) best (\d+\.\d) ok (True|False)")
+TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--mlp", "128", "--vocab", "128", "--sizes", "64", "--suffix", "16",
+        "--tokens-per-key", "32", "--reps", "2"]
+CPU_MODES = ["recompute", "suffix", "whole", "layerwise", "split"]
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
+class TestTtftBenchScript(unittest.TestCase):
+    def bench(self, *args):
+        """Runs the script on a fresh directory; returns its result, its
+        mode lines by mode, and its JSON report (None if it wrote none)."""
+        tmp = tempfile.mkdtemp(prefix="kvhost-ttft-test-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        report = os.path.join(tmp, "report.json")
+        env = dict(os.environ, KVHOST_BIN=kvhost_binary())
+        out = subprocess.run([sys.executable, str(REPO / "scripts" / "ttft-bench.py"), "--dir",
+                              os.path.join(tmp, "cache"), "--json", report, *TINY, *args],
+                             capture_output=True, text=True, timeout=300, env=env)
+        lines = {}
+        for line in out.stdout.splitlines():
+            m = LINE.fullmatch(line)
+            if m:
+                lines[m.group(3)] = m
+        data = None
+        if os.path.exists(report):
+            with open(report) as f:
+                data = json.load(f)
+        return out, lines, data
+
+    def test_every_cpu_mode_reports_its_ttft_and_matches_the_recomputation(self):
+        out, lines, data = self.bench()
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertEqual(sorted(lines), sorted(CPU_MODES), out.stdout)
+        for mode, m in lines.items():
+            with self.subTest(mode):
+                self.assertEqual((m.group(1), m.group(2), m.group(6)), ("64", "16", "True"), out.stdout)
+                self.assertGreater(float(m.group(4)), 0, out.stdout)
+                self.assertLessEqual(float(m.group(5)), float(m.group(4)), "best above the median")
+        size = data["sizes"]["64"]
+        self.assertEqual(sorted(size["modes"]), sorted(CPU_MODES))
+        for mode, m in size["modes"].items():
+            self.assertEqual(len(m["reps_ms"]), 2, mode)
+            self.assertEqual(m["errors"], [], mode)
+        self.assertEqual(size["modes"]["whole"]["loaded_tokens"], 64)
+        self.assertIn(size["modes"]["split"]["loaded_tokens"], (0, 32, 64))
+        self.assertIn("split/recompute", size["ratios"])
+        self.assertEqual(data["machine"]["device"], "cpu")
+        self.assertIn("fs_type", data["machine"]["mount"])
+        self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+")
+
+    def test_a_corrupted_stored_file_fails_the_run_instead_of_passing(self):
+        out, lines, data = self.bench("--corrupt-stored", "--modes", "recompute,whole,layerwise")
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn("detail: corrupted ", out.stdout)
+        self.assertEqual(lines["recompute"].group(6), "True", out.stdout)
+        for mode in ("whole", "layerwise"):
+            with self.subTest(mode):
+                self.assertEqual(lines[mode].group(6), "False", out.stdout)
+                self.assertNotEqual(data["sizes"]["64"]["modes"][mode]["errors"], [])
+
+
+if __name__ == "__main__":
+    unittest.main()

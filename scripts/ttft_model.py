@@ -1,0 +1,209 @@
+"""The model scripts/ttft-bench.py times: a Llama-3.1-8B-shaped decoder in
+plain torch with random weights (random weights cost the FLOPs trained ones
+do), over a paged KV cache laid out as vLLM's FlashAttention backend lays it
+out.
+
+Per layer: RMSNorm, one fused QKV projection, RoPE, attention over the
+request's paged K/V (scaled_dot_product_attention where torch has it, the
+same arithmetic spelled out where it does not: torch 1.13), the output
+projection, RMSNorm and a SwiGLU MLP; then a final RMSNorm and a head over
+a small vocabulary (the head's cost is one matrix-vector product for the
+last token: its size does not move TTFT).
+
+The cache is one allocation of (layers, 2, num_blocks, block_tokens,
+kv_heads, head_dim): cache[l] is layer l's (2, num_blocks, block_tokens,
+kv_heads, head_dim) tensor (K and V planes), as vLLM's FlashAttention
+backend allocates each layer. The model writes each computed token's K and
+V into its block (the request's block table maps token t to block
+table[t // block_tokens], row t % block_tokens) and attention reads the
+request's K and V back from the blocks (gathered: fine for a benchmark).
+"""
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The model's shape; the defaults are Llama-3.1-8B's (the vocabulary
+    excepted: 8192 against 128256)."""
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    mlp: int = 14336
+    vocab: int = 8192
+    block_tokens: int = 16
+    rope_theta: float = 500000.0
+    eps: float = 1e-5
+
+    @property
+    def block_bytes(self):
+        """Bytes of one plane (K or V) of one block of one layer (bf16)."""
+        return self.block_tokens * self.kv_heads * self.head_dim * 2
+
+    def kv_bytes(self, tokens):
+        """Bytes of tokens' K and V over every layer."""
+        return 2 * self.layers * tokens * self.kv_heads * self.head_dim * 2
+
+
+class Attention:
+    """Causal attention of n new queries (positions start..start+n-1) over
+    the T = start+n keys before and at them, grouped-query. Probes once
+    what this torch offers: scaled_dot_product_attention with a
+    lower-right causal bias and enable_gqa (torch >= 2.5: the flash
+    kernel), an explicit mask and repeated K/V heads where it lacks those,
+    or the arithmetic spelled out (torch 1.13)."""
+
+    def __init__(self, device):
+        self.sdpa = getattr(F, "scaled_dot_product_attention", None)
+        self.lower_right = None
+        self.gqa = False
+        if self.sdpa is None:
+            self.kind = "matmul softmax (no scaled_dot_product_attention)"
+            return
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+            self.lower_right = causal_lower_right
+        except ImportError:
+            pass
+        q = torch.zeros((1, 4, 3, 8), dtype=torch.bfloat16, device=device)
+        kv = torch.zeros((1, 2, 5, 8), dtype=torch.bfloat16, device=device)
+        try:
+            self.sdpa(q, kv, kv, is_causal=True, enable_gqa=True)
+            self.gqa = True
+        except (TypeError, RuntimeError):
+            pass
+        if self.lower_right is not None:
+            try:
+                self._sdpa_offset(q, kv, kv)
+            except (TypeError, RuntimeError):
+                self.lower_right = None
+        self.kind = "scaled_dot_product_attention" + (
+            ", lower-right causal bias" if self.lower_right else ", boolean mask after a prefix") + (
+            ", enable_gqa" if self.gqa else ", K/V heads repeated")
+
+    def _sdpa_offset(self, q, k, v):
+        bias = self.lower_right(q.shape[2], k.shape[2])
+        if self.gqa:
+            return self.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+        return self.sdpa(q, k, v, attn_mask=bias)
+
+    def __call__(self, q, k, v):
+        """q (n, heads, d), k and v (T, kv_heads, d), T >= n: the n queries
+        are the last n positions. Returns (n, heads * d)."""
+        n, heads, d = q.shape
+        t = k.shape[0]
+        q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if not self.gqa or self.sdpa is None:
+            rep = heads // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if self.sdpa is None:
+            scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
+            scores = scores.masked_fill(~self._mask(n, t, q.device), float("-inf"))
+            out = (scores.softmax(-1) @ v.float()).to(q.dtype)
+        elif n == t:
+            out = self.sdpa(q, k, v, is_causal=True, **({"enable_gqa": True} if self.gqa else {}))
+        elif self.lower_right is not None:
+            out = self._sdpa_offset(q, k, v)
+        else:
+            out = self.sdpa(q, k, v, attn_mask=self._mask(n, t, q.device),
+                            **({"enable_gqa": True} if self.gqa else {}))
+        return out[0].transpose(0, 1).reshape(n, heads * d)
+
+    @staticmethod
+    def _mask(n, t, device):
+        """(n, t) booleans: query i (position t-n+i) sees keys 0..t-n+i."""
+        rows = torch.arange(n, device=device)[:, None] + (t - n)
+        return torch.arange(t, device=device)[None, :] <= rows
+
+
+class Model:
+    """The decoder's weights, bf16 on device, drawn from seed (the same
+    weights in every process on the same device type). Each matrix is
+    drawn with standard deviation 1/sqrt(fan-in), so activations keep
+    their scale through the layers."""
+
+    def __init__(self, cfg, device, seed=0):
+        self.cfg, self.device = cfg, torch.device(device)
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        c = cfg
+        qkv = (c.heads + 2 * c.kv_heads) * c.head_dim
+
+        def w(rows, cols):
+            m = torch.empty((rows, cols), dtype=torch.bfloat16, device=self.device)
+            return m.normal_(0.0, 1.0 / math.sqrt(rows), generator=g)
+        self.embed = w(c.vocab, c.hidden) * math.sqrt(c.vocab)  # rows of unit scale
+        self.layers = [dict(qkv=w(c.hidden, qkv), o=w(c.heads * c.head_dim, c.hidden),
+                            gate_up=w(c.hidden, 2 * c.mlp), down=w(c.mlp, c.hidden),
+                            ln1=torch.ones(c.hidden, dtype=torch.bfloat16, device=self.device),
+                            ln2=torch.ones(c.hidden, dtype=torch.bfloat16, device=self.device))
+                       for _ in range(c.layers)]
+        self.norm = torch.ones(c.hidden, dtype=torch.bfloat16, device=self.device)
+        self.head = w(c.hidden, c.vocab)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.inv_freq = inv.to(self.device)
+        self.attention = Attention(self.device)
+
+    def new_cache(self, num_blocks, alloc=None):
+        """A zeroed cache of (layers, 2, num_blocks, block_tokens, kv_heads,
+        head_dim) bf16 on the model's device; alloc(shape, dtype), when
+        given, makes the tensor instead (host memory the daemon maps)."""
+        c = self.cfg
+        shape = (c.layers, 2, num_blocks, c.block_tokens, c.kv_heads, c.head_dim)
+        if alloc is not None:
+            t = alloc(shape, torch.bfloat16)
+            t.zero_()
+            return t
+        return torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+
+    def _rms(self, x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.eps)).to(x.dtype) * w
+
+    def _rope(self, x, cos, sin):
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    def forward(self, tokens, start, cache, table, before_attention=None, after_attention=None):
+        """Computes tokens (a 1-D LongTensor on the model's device) at
+        positions start.. of a request whose block table is table (a 1-D
+        LongTensor of block ids on the device, covering start +
+        len(tokens) tokens), writing their K and V into cache, whose
+        blocks of positions 0..start-1 must hold the prefix's. Calls
+        before_attention(layer) right before a layer writes and reads the
+        cache and after_attention(layer) right after (where vLLM's
+        attention layers call wait_for_layer_load and save_kv_layer).
+        Returns the last token's logits (float32, on the device)."""
+        c = self.cfg
+        n = tokens.shape[0]
+        end = start + n
+        pos = torch.arange(start, end, device=self.device)
+        ang = pos[:, None].float() * self.inv_freq[None, :]
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        blocks, rows = table[pos // c.block_tokens], pos % c.block_tokens
+        used = table[:(end + c.block_tokens - 1) // c.block_tokens]
+        qd, kvd = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        x = self.embed[tokens]
+        for i, w in enumerate(self.layers):
+            h = self._rms(x, w["ln1"]) @ w["qkv"]
+            q = self._rope(h[:, :qd].view(n, c.heads, c.head_dim), cos, sin)
+            k = self._rope(h[:, qd:qd + kvd].view(n, c.kv_heads, c.head_dim), cos, sin)
+            v = h[:, qd + kvd:].view(n, c.kv_heads, c.head_dim)
+            if before_attention is not None:
+                before_attention(i)
+            layer = cache[i]
+            layer[0, blocks, rows] = k
+            layer[1, blocks, rows] = v
+            keys = layer[0, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
+            values = layer[1, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
+            x = x + self.attention(q, keys, values) @ w["o"]
+            if after_attention is not None:
+                after_attention(i)
+            gate, up = (self._rms(x, w["ln2"]) @ w["gate_up"]).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ w["down"]
+        return (self._rms(x[-1:], self.norm) @ self.head)[0].float()
