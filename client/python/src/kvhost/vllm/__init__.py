@@ -20,6 +20,12 @@ outside the supported window (``SUPPORTED_WINDOW``) raises UnsupportedVLLM.
 ``KvhostOffloadingSpec`` is vLLM's full offloading spec through kvhost's
 GPU path (``"spec_name":"KvhostOffloadingSpec","spec_module_path":"kvhost.vllm"``),
 built the same way on first access (``SPEC_WINDOW``).
+
+``KvhostConnector`` is a vLLM KV connector (KVConnectorBase_V1) with
+layer-wise loads and a load-or-recompute split
+(``"kv_connector":"KvhostConnector","kv_connector_module_path":"kvhost.vllm"``),
+built on first access too; ``connector_class(api)`` builds it on other
+classes (None: plain ones without vLLM).
 """
 
 from ._compat import SUPPORTED_WINDOW, UnsupportedVLLM, check_api, detect
@@ -27,9 +33,17 @@ from ._namespace import IdentityMismatch, IdentityUnknown
 from .spec_compat import SPEC_WINDOW, KvhostLoadStoreSpec
 from .tier import default_socket
 
-__all__ = ["IdentityMismatch", "IdentityUnknown", "KvhostLoadStoreSpec", "KvhostOffloadingSpec", "KvhostTier",
-           "SPEC_WINDOW", "SUPPORTED_WINDOW", "UnsupportedVLLM", "default_socket", "detect", "spec_class",
-           "tier_class"]
+__all__ = ["IdentityMismatch", "IdentityUnknown", "KvhostConnector", "KvhostLoadStoreSpec", "KvhostOffloadingSpec",
+           "KvhostTier", "SPEC_WINDOW", "SUPPORTED_WINDOW", "UnsupportedVLLM", "connector_class", "default_socket",
+           "detect", "spec_class", "tier_class"]
+
+
+def connector_class(api=None):
+    """Returns a KvhostConnector class bound to api (a namespace with
+    vLLM's KVConnectorBase_V1, or None in it for plain classes); None
+    detects the installed vLLM."""
+    from .connector import connector_class as build
+    return build(api)
 
 
 def spec_class(api=None):
@@ -75,5 +89,9 @@ def __getattr__(name):
     if name == "KvhostOffloadingSpec":
         if name not in _built:
             _built[name] = spec_class()
+        return _built[name]
+    if name == "KvhostConnector":
+        if name not in _built:
+            _built[name] = connector_class()
         return _built[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,132 @@
+"""The load-or-recompute split of KvhostConnector: how many cached prefix
+tokens to load, and how many to compute again.
+
+With layer-wise loads the first token's time is about the larger of the
+load of the claimed prefix and the computation of the rest (layer i loads
+while layer i-1 computes), so a prefix is worth loading only as far as its
+load ends no later than the computation of what follows it::
+
+    TTFT(K) ~ max(load(K - C), compute(T, K))
+
+where T is the prompt's tokens, C those already on the GPU (vLLM's prefix
+cache), and K the tokens cached after the load (C <= K <= H, the hit
+prefix). The load is bytes over a rate plus a latency; the computation of
+the T - K tokens after K cached ones has a linear term and a quadratic
+(attention) term, so the later tokens are the dear ones::
+
+    load(n)       = n * bytes_per_token / rate + latency      (0 for n = 0)
+    compute(T, K) = fixed + a * (T - K) + b * (T^2 - K^2) / 2
+
+Pure Python, no I/O: the connector's scheduler calls ``CostModel.split``
+for every prompt (a few bisection steps, no loop over the prompt).
+"""
+
+import math
+import threading
+
+
+class CostModel:
+    """The load and prefill costs the split weighs.
+
+    bytes_per_token: bytes one worker loads per token (its shard of every
+    layer); load_gbps: the load rate in GB/s (1e9 bytes), updated by
+    observe_load (an EWMA of measured jobs, weight alpha); load_latency_s:
+    a load's fixed cost; prefill_s_per_token (a), prefill_s_per_token2 (b)
+    and prefill_fixed_s: the prefill model. min_gain: a shorter prefix is
+    claimed only where it saves more than this fraction of the TTFT (the
+    tokens recomputed cost the GPU's time for other requests too)."""
+
+    def __init__(self, bytes_per_token, load_gbps, load_latency_s=0.0, prefill_s_per_token=2.0e-5,
+                 prefill_s_per_token2=1.0e-9, prefill_fixed_s=0.0, min_gain=0.05, alpha=0.2):
+        for name, v in (("bytes_per_token", bytes_per_token), ("load_gbps", load_gbps)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"kvhost.vllm: {name}: want a number > 0, got {v!r}")
+        for name, v in (("load_latency_s", load_latency_s), ("prefill_s_per_token", prefill_s_per_token),
+                        ("prefill_s_per_token2", prefill_s_per_token2), ("prefill_fixed_s", prefill_fixed_s),
+                        ("min_gain", min_gain)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"kvhost.vllm: {name}: want a number >= 0, got {v!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+            raise ValueError(f"kvhost.vllm: alpha: want 0 < alpha <= 1, got {alpha!r}")
+        self.bytes_per_token = float(bytes_per_token)
+        self._rate = float(load_gbps) * 1e9  # bytes per second
+        self.load_latency_s = float(load_latency_s)
+        self.a, self.b, self.fixed = float(prefill_s_per_token), float(prefill_s_per_token2), float(prefill_fixed_s)
+        self.min_gain = float(min_gain)
+        self.alpha = float(alpha)
+        self._lock = threading.Lock()
+        self.observed = 0  # load measurements taken into the rate
+
+    @property
+    def load_gbps(self):
+        """The load rate the split uses now, in GB/s."""
+        return self._rate / 1e9
+
+    def observe_load(self, nbytes, seconds):
+        """Takes a measured load (nbytes moved in seconds) into the rate: an
+        EWMA of weight alpha. Measurements of nothing are ignored."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._rate += self.alpha * (nbytes / seconds - self._rate)
+            self.observed += 1
+
+    def load_s(self, tokens):
+        """Seconds to load tokens tokens (0 for none)."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * self.bytes_per_token / self._rate + self.load_latency_s
+
+    def compute_s(self, total, cached):
+        """Seconds to compute the total - cached tokens after cached ones."""
+        n = total - cached
+        if n <= 0:
+            return 0.0
+        return self.fixed + self.a * n + self.b * (total * total - cached * cached) / 2.0
+
+    def ttft_s(self, total, computed, k):
+        """The modelled time to first token when k tokens are cached after
+        loading k - computed of them."""
+        return max(self.load_s(k - computed), self.compute_s(total, k))
+
+    def split(self, total, computed, hit, chunk):
+        """The tokens to have cached after the load, K: computed (load
+        nothing) or a multiple of chunk in (computed, hit], the one of least
+        modelled TTFT, or the largest whose TTFT is within min_gain of that
+        least. hit is the cached prefix's end; total the prompt's tokens."""
+        if chunk <= 0:
+            raise ValueError(f"kvhost.vllm: chunk {chunk}: want tokens > 0")
+        lo = computed // chunk + 1  # the first chunk boundary above computed
+        hi = min(hit, total) // chunk
+        if hi < lo:
+            return computed
+        # load(K_m) grows and compute(K_m) falls with m: bisect for the
+        # first boundary where the load is no shorter than the computation.
+        ks = lambda m: m * chunk  # noqa: E731
+        a, b = lo, hi
+        while a < b:
+            m = (a + b) // 2
+            if self.load_s(ks(m) - computed) >= self.compute_s(total, ks(m)):
+                b = m
+            else:
+                a = m + 1
+        best_k, best = computed, self.ttft_s(total, computed, computed)
+        for m in {lo, hi, a, max(lo, a - 1)}:
+            t = self.ttft_s(total, computed, ks(m))
+            if t < best or (t == best and ks(m) > best_k):
+                best_k, best = ks(m), t
+        # Beyond the crossing the TTFT is the load's, growing with K: the
+        # largest boundary within min_gain of the best (every boundary the
+        # search settles on is within it).
+        limit = best * (1.0 + self.min_gain)
+        first = max(lo, best_k // chunk)
+        if self.ttft_s(total, computed, ks(first)) > limit:
+            return best_k
+        a, b = first, hi
+        while a < b:
+            m = (a + b + 1) // 2
+            if self.ttft_s(total, computed, ks(m)) <= limit:
+                a = m
+            else:
+                b = m - 1
+        return max(best_k, ks(a))

@@ -1,0 +1,397 @@
+"""KvhostConnector (kvhost.vllm's KV connector) without vLLM: its
+load-or-recompute split (the cost model, table-driven), its worker's
+layer-wise waits (a stand-in client whose jobs end when the test says),
+and both halves driven in vLLM's call order against a real kvhost daemon
+with CPU tensors in shared memory: a prefix saved through the save path
+is loaded into other blocks byte for byte, a corrupted file's blocks come
+back as load errors, never as loaded bytes.
+
+test_vllm_real_kvconnector.py runs the connector under vLLM's own
+connector modules.
+
+Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest tests.test_vllm_connector -v
+"""
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+import pickle
+import sys
+import threading
+import types
+import unittest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+import kvhost  # noqa: E402
+from kvhost import protocol as P  # noqa: E402
+from kvhost.vllm import connector as C  # noqa: E402
+from kvhost.vllm._split import CostModel  # noqa: E402
+
+import daemon as d  # noqa: E402
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+NS = types.SimpleNamespace
+
+LAYERS, HEADS, HEAD, BLOCK, NBLOCKS, BPC = 4, 2, 64, 16, 64, 2
+PAGE = HEADS * BLOCK * 2 * HEAD * 2   # bf16 (heads, block, 2*head) per block
+CHUNK = BLOCK * BPC
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+LLAMA_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # Llama-3.1-8B's KV of one token, bf16
+
+
+def offloading_config(socket, rank=0, tp=1, layout="blocks", **extra):
+    """An object shaped like vLLM's OffloadingConfig (what the connector
+    reads of it), for a model of LAYERS layers."""
+    return NS(
+        model=NS(name="meta-llama/Llama-3.1-8B", dtype="bfloat16"),
+        parallel=NS(rank=rank, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
+                    is_parallelism_agnostic=False),
+        groups=(NS(tokens_per_block=BLOCK, layer_names=tuple(NAMES)),),
+        cache=NS(tokens_per_hash=BLOCK, blocks_per_chunk=BPC),
+        worker_kv_bytes_per_block=LAYERS * PAGE, engine_id="kvhost-connector-test",
+        canonical_layout=False, replicated_layout=False,
+        extra_config={"socket": socket, "tensor_layout": layout, **extra})
+
+
+def flip_byte(path, at):
+    """Inverts the byte at offset at (from the end where negative) of a file."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        off = at if at >= 0 else os.fstat(fd).st_size + at
+        os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
+    finally:
+        os.close(fd)
+
+
+def hashes(tag, n):
+    """vLLM-like chained block hashes of a prompt of n blocks."""
+    out, prev = [], b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + f"{tag}-{i}".encode()).digest()
+        out.append(prev)
+    return out
+
+
+class Request:
+    """What the connector's scheduler half reads of vLLM's Request."""
+
+    def __init__(self, req_id, tag, blocks):
+        self.request_id = req_id
+        self.block_hashes = hashes(tag, blocks)
+        self.num_prompt_tokens = self.num_tokens = blocks * BLOCK
+        self.skip_reading_prefix_cache = False
+
+
+def new_output(req, block_ids, computed, scheduled):
+    """A scheduler output of one step scheduling a new request."""
+    return NS(scheduled_new_reqs=[NS(req_id=req.request_id, block_ids=(list(block_ids),),
+                                     num_computed_tokens=computed)],
+              scheduled_cached_reqs=None, num_scheduled_tokens={req.request_id: scheduled},
+              preempted_req_ids=set(), finished_req_ids=set())
+
+
+def empty_output(finished=()):
+    return NS(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={},
+              preempted_req_ids=set(), finished_req_ids=set(finished))
+
+
+class SplitTest(unittest.TestCase):
+    """The cost model's choice of K, the tokens cached after the load."""
+
+    def test_split_claims_all_at_fast_rates_part_at_slow_rates_and_never_beyond_the_hit(self):
+        chunk = 256
+        cases = [  # (prompt prefix P, GB/s, what K must be)
+            (2048, 50.0, "all"), (8192, 50.0, "all"), (32768, 50.0, "all"),
+            (2048, 2.0, "part"), (8192, 2.0, "part"), (32768, 2.0, "part"),
+        ]
+        for prefix, gbps, want in cases:
+            with self.subTest(prefix=prefix, gbps=gbps):
+                m = CostModel(LLAMA_BYTES_PER_TOKEN, gbps)
+                total = prefix + 512
+                k = m.split(total, 0, prefix, chunk)
+                self.assertLessEqual(k, prefix)
+                self.assertEqual(k % chunk, 0)
+                recompute = m.compute_s(total, 0)
+                if want == "all":
+                    self.assertEqual(k, prefix)
+                else:
+                    self.assertGreater(k, 0)
+                    self.assertLess(k, prefix)
+                    self.assertLess(m.ttft_s(total, 0, k), recompute)
+                    self.assertLess(m.ttft_s(total, 0, k), m.ttft_s(total, 0, prefix))
+
+    def test_split_at_32k_from_a_2gbps_disk_is_at_most_0_8_of_recomputation(self):
+        m = CostModel(LLAMA_BYTES_PER_TOKEN, 2.0)
+        total = 32768 + 512
+        k = m.split(total, 0, 32768, 256)
+        self.assertLessEqual(m.ttft_s(total, 0, k), 0.8 * m.compute_s(total, 0))
+
+    def test_split_never_claims_beyond_the_hit_or_below_the_gpu_prefix(self):
+        m = CostModel(LLAMA_BYTES_PER_TOKEN, 1000.0)
+        for computed, hit in [(0, 0), (512, 512), (512, 700), (0, 255), (256, 4096), (300, 4096)]:
+            with self.subTest(computed=computed, hit=hit):
+                k = m.split(8192, computed, hit, 256)
+                self.assertGreaterEqual(k, computed)
+                self.assertLessEqual(k, max(hit, computed))
+
+    def test_measured_loads_move_the_rate_and_the_split(self):
+        m = CostModel(LLAMA_BYTES_PER_TOKEN, 50.0, alpha=0.5)
+        before = m.split(32768 + 512, 0, 32768, 256)
+        for _ in range(20):
+            m.observe_load(2_000_000_000, 1.0)  # 2 GB/s measured
+        self.assertAlmostEqual(m.load_gbps, 2.0, places=3)
+        self.assertLess(m.split(32768 + 512, 0, 32768, 256), before)
+
+    def test_bad_cost_options_are_refused_by_name(self):
+        for key, value in [("load_gbps", 0), ("prefill_us_per_token", -1), ("layers_per_load", 0),
+                           ("load_split", "some"), ("tensor_layout", "rows"), ("no_such_option", 1)]:
+            with self.subTest(key=key):
+                with self.assertRaisesRegex(ValueError, key):
+                    C.options({"socket": "/nonexistent", key: value})
+
+
+class _FakeJob:
+    """A daemon job that ends when the test says (done/wait like Job)."""
+
+    def __init__(self, client, n, layers):
+        self._client, self.id, self.layers, self.n = client, 1, layers, n
+        self._ev = threading.Event()
+
+    def finish(self):
+        self._ev.set()
+
+    def done(self):
+        return self._ev.is_set()
+
+    def wait(self, timeout=None):
+        if not self._ev.wait(timeout):
+            raise TimeoutError("not done")
+        return kvhost.client.Result([(P.OUTCOME_LOADED, 0)] * self.n, 1000 * self.n, 1, "")
+
+    def cancel(self):
+        return False
+
+
+class _FakeClient:
+    """A client whose loads of a layer range are jobs the test ends."""
+    supports_layer_loads = True
+
+    def __init__(self):
+        self.jobs = []
+
+    def connected(self):
+        return True
+
+    def load(self, cache, keys, blocks, block=True, layers=None):
+        j = _FakeJob(self, len(keys), layers)
+        self.jobs.append(j)
+        return j
+
+
+class LayerWaitTest(unittest.TestCase):
+    """The worker's waits per layer group, against a stand-in client."""
+
+    def worker(self, layers_per_load):
+        o = C.options({"socket": "/nonexistent", "layers_per_load": layers_per_load})
+        cfg = offloading_config("/nonexistent")
+        w = C.ConnectorWorker(cfg, C.identity(cfg, o), o)
+        w._client, w._cache, w._nblocks, w._tensors = _FakeClient(), 1, NBLOCKS, []
+        return w
+
+    def test_a_layer_waits_only_for_its_own_group_job(self):
+        w = self.worker(1)
+        meta = C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0", b"k1"], [[0, 1], [2, 3]])])
+        w.start_load(meta)
+        jobs = w._client.jobs
+        self.assertEqual([j.layers for j in jobs], [(i, 1) for i in range(LAYERS)])
+        jobs[0].finish()
+        w.wait_layer(NAMES[0])  # returns: layer 0's job is done, the others are not
+        self.assertEqual([j.done() for j in jobs], [True] + [False] * (LAYERS - 1))
+        for i in range(1, LAYERS):
+            jobs[i].finish()
+            w.wait_layer(NAMES[i])
+        self.assertEqual(w.take_errors(), set())
+
+    def test_layers_per_load_groups_layers_into_one_job(self):
+        w = self.worker(2)
+        w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0"], [[0, 1]])]))
+        self.assertEqual([j.layers for j in w._client.jobs], [(0, 2), (2, 2)])
+        w._client.jobs[0].finish()
+        w.wait_layer(NAMES[1])
+        self.assertFalse(w._client.jobs[1].done())
+        w._client.jobs[1].finish()
+        w.finish_loads()
+
+    def test_a_daemon_without_layer_loads_gets_one_job_for_every_layer(self):
+        w = self.worker(1)
+        w._client.supports_layer_loads = False
+        w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0"], [[0, 1]])]))
+        self.assertEqual([j.layers for j in w._client.jobs], [None])
+        w._client.jobs[0].finish()
+        for n in NAMES:
+            w.wait_layer(n)
+        self.assertEqual(w.take_errors(), set())
+
+    def test_metadata_pickles(self):
+        meta = C.ConnectorMetadata(loads=[C.Transfer("r", [b"k"], [[1, P.NO_BLOCK]])],
+                                   saves=[C.Transfer("s", [b"j"], [[2, 3]])], preempted={"x"})
+        got = pickle.loads(pickle.dumps(meta))
+        self.assertEqual((got.loads[0].keys, got.loads[0].blocks, got.saves[0].req_id, got.preempted),
+                         ([b"k"], [[1, P.NO_BLOCK]], "s", {"x"}))
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch (CPU)")
+class DaemonTest(unittest.TestCase):
+    """Both halves against a real daemon, CPU tensors in shared memory."""
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+        cls.torch = torch
+        cls.daemon = d.Daemon()
+        cls.Connector = C.connector_class(NS(KVConnectorBase_V1=None))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def setUp(self):
+        self.closers = []
+
+    def tearDown(self):
+        for c in reversed(self.closers):
+            c()
+
+    def pair(self, seed=0, **extra):
+        cfg = offloading_config(self.daemon.socket, **extra)
+        sched = self.Connector(None, "scheduler", config=cfg)
+        self.closers.append(sched.shutdown)
+        worker = self.Connector(None, "worker", config=cfg)
+        self.closers.append(worker.shutdown)
+        kv = {}
+        for i, n in enumerate(NAMES):
+            t, buf = kvhost.torch_host_tensor((NBLOCKS, HEADS, BLOCK, 2 * HEAD), self.torch.bfloat16,
+                                              name="connector-test")
+            self.closers.append(buf.close)
+            t.view(self.torch.int16).copy_(self.torch.randint(
+                -2**15, 2**15, t.shape, generator=self.torch.Generator().manual_seed(seed + i),
+                dtype=self.torch.int16))
+            kv[n] = t
+        worker.register_kv_caches(kv)
+        return sched, worker, kv
+
+    def step(self, sched, worker, so, finished=()):
+        """One engine step in vLLM's order; returns (finished sending,
+        load error block ids)."""
+        meta = sched.build_connector_meta(so)
+        meta = pickle.loads(pickle.dumps(meta))  # it travels to the workers
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for n in NAMES:
+            worker.wait_for_layer_load(n)
+            worker.save_kv_layer(n, None, None)
+        worker.wait_for_save()
+        sending, _ = worker.get_finished(set(finished))
+        errors = worker.get_block_ids_with_load_errors()
+        out = NS(kv_connector_worker_meta=worker.build_connector_worker_meta(), finished_sending=sending)
+        worker.clear_connector_metadata()
+        sched.update_connector_output(out)
+        return sending or set(), errors
+
+    def save_prompt(self, sched, worker, req, ids):
+        """A request computed in blocks ids, its prompt saved through the
+        save path; returns once its stores ended and vLLM may free it."""
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        sched.update_state_after_alloc(req, ids, 0)
+        self.step(sched, worker, new_output(req, ids, 0, req.num_tokens))
+        self.assertEqual(sched.request_finished(req, ids), (True, None))
+        sent = set()
+        d.wait_for(lambda: sent.update(self.step(sched, worker, empty_output(), {req.request_id})[0]) or
+                   req.request_id in sent, what="the prompt's stores")
+
+    def rows(self, kv, blocks):
+        return [bytes(kv[n][b].view(self.torch.int8).numpy().tobytes()) for n in NAMES for b in blocks]
+
+    def test_a_saved_prefix_loads_layer_by_layer_into_other_blocks_byte_for_byte(self):
+        sched, worker, kv = self.pair(load_split="all")
+        nblk = 4 * BPC + 1  # four whole chunks and a block more
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, Request("a", "p1", nblk), src)
+        want = self.rows(kv, src[:4 * BPC])
+
+        req = Request("b", "p1", nblk)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (4 * CHUNK, False))
+        dst = list(range(30, 30 + nblk))
+        sched.update_state_after_alloc(req, dst, 4 * CHUNK)
+        _, errors = self.step(sched, worker, new_output(req, dst, 4 * CHUNK, BLOCK))
+        self.assertEqual(errors, set())
+        self.assertEqual(self.rows(kv, dst[:4 * BPC]), want)
+        c = worker.counters()
+        self.assertGreaterEqual(c["load_jobs"], 1)
+        self.assertEqual(c.get("load_failed_keys", 0), 0)
+        self.assertGreater(sched.counters()["load_measurements"], 0)
+
+    def test_a_gpu_prefix_hit_loads_only_the_blocks_after_it(self):
+        sched, worker, kv = self.pair(load_split="all")
+        nblk = 3 * BPC + 1
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, Request("a", "p2", nblk), src)
+        want = self.rows(kv, src[1:3 * BPC])
+        req = Request("b", "p2", nblk)
+        computed = BLOCK  # one block on the GPU (vLLM's prefix cache)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, computed), (3 * CHUNK - computed, False))
+        dst = [1] + list(range(40, 40 + nblk - 1))
+        before = self.rows(kv, [1])
+        sched.update_state_after_alloc(req, dst, 3 * CHUNK - computed)
+        _, errors = self.step(sched, worker, new_output(req, dst, 3 * CHUNK, BLOCK))
+        self.assertEqual(errors, set())
+        self.assertEqual(self.rows(kv, dst[1:3 * BPC]), want)
+        self.assertEqual(self.rows(kv, [1]), before)
+
+    def test_a_corrupted_file_comes_back_as_load_errors_never_as_loaded_bytes(self):
+        sched, worker, kv = self.pair(load_split="all")
+        nblk = 2 * BPC + 1
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, Request("a", "p3", nblk), src)
+        files = self.daemon.data_files()
+        self.assertTrue(files)
+        for f in files:
+            flip_byte(f, -100)
+        try:
+            req = Request("b", "p3", nblk)
+            self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (2 * CHUNK, False))
+            dst = list(range(50, 50 + nblk))
+            sched.update_state_after_alloc(req, dst, 2 * CHUNK)
+            _, errors = self.step(sched, worker, new_output(req, dst, 2 * CHUNK, BLOCK))
+            self.assertTrue(errors)
+            self.assertLessEqual(errors, set(dst[:2 * BPC]))
+            self.assertGreater(worker.counters()["load_failed_keys"], 0)
+        finally:
+            for f in files:  # leave no corrupt file to the next test
+                if os.path.exists(f):
+                    os.unlink(f)
+
+    def test_a_request_without_saves_is_freed_at_once(self):
+        sched, worker, _ = self.pair(save=False)
+        req = Request("c", "p4", 2 * BPC + 1)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        sched.update_state_after_alloc(req, list(range(1, 2 * BPC + 2)), 0)
+        self.step(sched, worker, new_output(req, list(range(1, 2 * BPC + 2)), 0, req.num_tokens))
+        self.assertEqual(sched.request_finished(req, []), (False, None))
+
+    def test_load_split_off_claims_nothing(self):
+        sched, worker, _ = self.pair(load_split="off")
+        req = Request("d", "p5", 2 * BPC + 1)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+
+    def test_the_connector_asks_for_piecewise_cuda_graphs(self):
+        self.assertTrue(self.Connector.requires_piecewise_for_cudagraph({}))
+
+
+if __name__ == "__main__":
+    unittest.main()
