@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -51,6 +52,10 @@ var (
 	// job's blocks until it notices and has cancelled the job, and the
 	// client cannot tell when. It comes with ErrClosed.
 	ErrBlocksInUse = errors.New("client: the daemon may still be copying to or from the job's blocks")
+	// ErrUnsupported: the daemon did not announce the feature a request
+	// needs (Client.Supports), so the request was not sent: an older
+	// daemon would refuse it.
+	ErrUnsupported = errors.New("client: the daemon does not serve this request")
 )
 
 // Types shared with the protocol.
@@ -65,7 +70,13 @@ type (
 	Stats = protocol.Stats
 	// Limits are the daemon's per-connection limits, from the handshake.
 	Limits = protocol.Welcome
+	// Feature is a bit of what a daemon announces it serves beyond
+	// protocol version 1 (Client.Supports).
+	Feature = protocol.Feature
 )
+
+// FeatureLayerLoads: the daemon serves LoadLayers.
+const FeatureLayerLoads = protocol.FeatureLayerLoads
 
 // RegionID, NamespaceID and CacheID are this connection's ids for what it
 // registered; they mean nothing on another connection.
@@ -116,10 +127,23 @@ type reply struct {
 // Dial connects to the daemon's socket at path ("" means DefaultSocket())
 // and performs the handshake. name identifies the client in the daemon's
 // logs.
+//
+// It speaks protocol.Version; a daemon that refuses that version (one
+// older than version 2 closes the connection) is dialed again with
+// protocol.MinVersion, and announces no features then.
 func Dial(ctx context.Context, path, name string) (*Client, error) {
 	if path == "" {
 		path = DefaultSocket()
 	}
+	c, err := dial(ctx, path, name, protocol.Version)
+	if pe := (*protocol.Error)(nil); errors.As(err, &pe) && pe.Code == protocol.CodeVersion {
+		c, err = dial(ctx, path, name, protocol.MinVersion)
+	}
+	return c, err
+}
+
+// dial connects and performs the handshake in version.
+func dial(ctx context.Context, path, name string, version uint16) (*Client, error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
@@ -134,15 +158,17 @@ func Dial(ctx context.Context, path, name string) (*Client, error) {
 	}
 	c.limits.MaxFrame = protocol.MinFrame
 	go c.readLoop()
-	m, err := c.call(ctx, &protocol.Hello{Version: protocol.Version, Client: name}, nil)
+	m, err := c.call(ctx, &protocol.Hello{Version: version, Client: name}, nil)
 	if err != nil {
 		c.Close()
 		return nil, fmt.Errorf("client: handshake: %w", err)
 	}
 	w := m.(*protocol.Welcome) // the reply type of Hello: deliver checked
-	if w.Version != protocol.Version {
+	if w.Version < protocol.MinVersion || w.Version > version {
+		// An older version this client speaks is read as that version's
+		// (a version-1 Welcome announces no features).
 		c.Close()
-		return nil, fmt.Errorf("client: handshake: the daemon %q answered with a Welcome of protocol version %d; this client speaks version %d", w.Server, w.Version, protocol.Version)
+		return nil, fmt.Errorf("client: handshake: the daemon %q answered with a Welcome of protocol version %d; this client speaks version %d", w.Server, w.Version, version)
 	}
 	c.mu.Lock()
 	c.limits = *w
@@ -155,6 +181,12 @@ func (c *Client) Limits() Limits {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.limits
+}
+
+// Supports reports whether the daemon announced feature f in the
+// handshake (a daemon older than protocol version 2 announces none).
+func (c *Client) Supports(f Feature) bool {
+	return c.Limits().Features&f == f
 }
 
 // Close closes the connection. The daemon cancels the client's unfinished
@@ -666,7 +698,7 @@ func (c *Client) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 // return ErrClosed, with ErrBlocksInUse when the client ended it (Close):
 // the daemon may be using the blocks then as well.
 func (c *Client) Store(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
-	return c.transfer(ctx, protocol.JobStore, cache, keys, blocks)
+	return c.transfer(ctx, &protocol.Transfer{Kind: protocol.JobStore, Cache: uint32(cache), Keys: keys, Blocks: blocks})
 }
 
 // NoBlock, as a block id of a Load, leaves that block of the key out: the
@@ -681,10 +713,34 @@ const NoBlock = protocol.NoBlock
 // job completes: do not use them before Wait returns. See Store for a
 // ctx that ends.
 func (c *Client) Load(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
-	return c.transfer(ctx, protocol.JobLoad, cache, keys, blocks)
+	return c.transfer(ctx, &protocol.Transfer{Kind: protocol.JobLoad, Cache: uint32(cache), Keys: keys, Blocks: blocks})
 }
 
-func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
+// LoadLayers is Load of the layers [first, first+count) of every key only
+// (count 0: every layer, first 0): the daemon reads, verifies and writes
+// those layers' bytes of the blocks and leaves the other layers of the
+// blocks as they are. Its Result counts the bytes of those layers. A
+// range past the namespace's layers is refused by the daemon
+// (protocol.CodeInvalid, naming the range). It returns ErrUnsupported,
+// sending nothing, where the daemon did not announce FeatureLayerLoads.
+func (c *Client) LoadLayers(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32, first, count int) (*Job, error) {
+	if first < 0 || count < 0 || first > math.MaxUint32 || count > math.MaxUint32 {
+		return nil, fmt.Errorf("%w: layer range first %d count %d: want first, count >= 0", ErrInvalid, first, count)
+	}
+	r := &protocol.LayerRange{First: uint32(first), Count: uint32(count)}
+	if err := r.Check(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if !c.Supports(FeatureLayerLoads) {
+		return nil, fmt.Errorf("%w: a load of %s: the daemon %q announced no layer-range loads (protocol version %d, features %#x)",
+			ErrUnsupported, r, c.Limits().Server, c.Limits().Version, uint64(c.Limits().Features))
+	}
+	return c.transfer(ctx, &protocol.Transfer{Kind: protocol.JobLoad, Cache: uint32(cache), Keys: keys, Blocks: blocks, Layers: r})
+}
+
+// transfer sends m, a Store, Load or LoadLayers, and returns its Job.
+func (c *Client) transfer(ctx context.Context, m *protocol.Transfer) (*Job, error) {
+	keys, blocks := m.Keys, m.Blocks
 	if err := protocol.CheckKeys(keys); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
@@ -703,8 +759,7 @@ func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache Cach
 	// the caller gets the Job even if ctx ends before the daemon's answer:
 	// the reader binds the Job to the answer whenever it comes, and the Job
 	// is cancelled then.
-	m := &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}
-	j := newJob(c, kind, len(keys))
+	j := newJob(c, m)
 	ch, err := c.send(ctx, m, nil, j) // a send ctx cut off sent nothing: no job
 	if err != nil {
 		return nil, err
@@ -890,6 +945,7 @@ func resultOf(m *protocol.Completion) Result {
 // Job is a store or load job in flight on the daemon.
 type Job struct {
 	c        *Client
+	t        protocol.Type // the request's type: Store, Load or LoadLayers
 	kind     protocol.JobKind
 	keys     int           // the request's keys
 	accepted chan struct{} // closed once id is set: the daemon accepted the job
@@ -902,14 +958,13 @@ type Job struct {
 	err       error
 }
 
-func newJob(c *Client, kind protocol.JobKind, keys int) *Job {
-	return &Job{c: c, kind: kind, keys: keys, accepted: make(chan struct{}), done: make(chan struct{})}
+// newJob is the Job of request m.
+func newJob(c *Client, m *protocol.Transfer) *Job {
+	return &Job{c: c, t: m.Type(), kind: m.Kind, keys: len(m.Keys), accepted: make(chan struct{}), done: make(chan struct{})}
 }
 
 // requestType is the type of the job's request.
-func (j *Job) requestType() protocol.Type {
-	return (&protocol.Transfer{Kind: j.kind}).Type()
-}
+func (j *Job) requestType() protocol.Type { return j.t }
 
 // isAccepted reports whether the daemon accepted the job.
 func (j *Job) isAccepted() bool {

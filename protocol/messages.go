@@ -33,7 +33,7 @@ func (m *Hello) DecodeBody(b []byte) error {
 
 // Welcome is the reply to Hello: the version spoken and the daemon's limits.
 type Welcome struct {
-	Version          uint16 // the protocol version the daemon speaks on the connection
+	Version          uint16 // the protocol version the daemon speaks on the connection: the Hello's
 	MaxFrame         uint32 // most bytes of one frame, header included
 	MaxRegistrations uint32 // memory regions per connection
 	MaxInflightJobs  uint32 // unfinished store and load jobs per connection
@@ -42,23 +42,33 @@ type Welcome struct {
 	MaxKeys          uint32 // keys per request
 	MaxKeyLen        uint32 // longest key, in bytes (MaxKeyLen)
 	Server           string // daemon name and version, at most MaxName bytes
+	// Features (version 2 and later; 0 in version 1) are what the daemon
+	// serves beyond version 1: FeatureLayerLoads and later bits.
+	Features Feature
 }
 
 // Type is the reply to TypeHello.
 func (*Welcome) Type() Type { return TypeHello | TypeReply }
 
-// AppendBody encodes: u16 version | u16 0 | 7 × u32 limits | str8 server.
+// AppendBody encodes: u16 version | u16 0 | 7 × u32 limits | str8 server
+// | from version 2: u64 features.
 func (m *Welcome) AppendBody(b []byte) []byte {
 	b = appendU16(b, m.Version)
 	b = appendU16(b, 0)
 	for _, v := range []uint32{m.MaxFrame, m.MaxRegistrations, m.MaxInflightJobs, m.MaxNamespaces, m.MaxCaches, m.MaxKeys, m.MaxKeyLen} {
 		b = appendU32(b, v)
 	}
-	return appendStr8(b, m.Server, MaxName)
+	b = appendStr8(b, m.Server, MaxName)
+	if m.Version >= 2 {
+		b = appendU64(b, uint64(m.Features))
+	}
+	return b
 }
 
 // DecodeBody decodes a Welcome and checks MaxFrame against MinFrame and
-// MaxFrame: a client sizes the frames it reads by it.
+// MaxFrame: a client sizes the frames it reads by it. A version-1 Welcome
+// ends after the server name; from version 2 the features follow it, and
+// bytes after them (a later daemon's fields) are ignored.
 func (m *Welcome) DecodeBody(b []byte) error {
 	d := decoder{b: b}
 	m.Version = d.u16("version")
@@ -74,7 +84,12 @@ func (m *Welcome) DecodeBody(b []byte) error {
 	if d.err == nil && (m.MaxFrame < MinFrame || m.MaxFrame > MaxFrame) {
 		d.fail("max frame %d: want %d..%d", m.MaxFrame, MinFrame, MaxFrame)
 	}
-	return d.end()
+	m.Features = 0
+	if m.Version < 2 {
+		return d.end()
+	}
+	m.Features = Feature(d.u64("features"))
+	return d.err
 }
 
 // MemoryKind is the kind of a memory registration.
@@ -510,11 +525,17 @@ type Transfer struct {
 	Cache  uint32     // the cache id, from CacheRegistered
 	Keys   [][]byte   // the keys to store or load
 	Blocks [][]uint32 // per key, its block ids in the cache
+	// Layers, set in a LoadLayers (Kind JobLoad) only, is the range of
+	// layers of every key it loads; nil in a Store or Load.
+	Layers *LayerRange
 }
 
-// Type is TypeStore or TypeLoad.
+// Type is TypeStore, TypeLoad or, with Layers set, TypeLoadLayers.
 func (m *Transfer) Type() Type {
-	if m.Kind == JobLoad {
+	switch {
+	case m.Layers != nil:
+		return TypeLoadLayers
+	case m.Kind == JobLoad:
 		return TypeLoad
 	}
 	return TypeStore
@@ -543,7 +564,8 @@ func (m *Transfer) CheckNoBlock() error {
 }
 
 // AppendBody encodes: u32 cache | u32 blocks per key | keys | key count ×
-// blocks per key × u32 block ids. Every Blocks[i] must have the length of
+// blocks per key × u32 block ids | with Layers (LoadLayers): u32 first
+// layer, u32 layer count. Every Blocks[i] must have the length of
 // Blocks[0].
 func (m *Transfer) AppendBody(b []byte) []byte {
 	bpk := 0
@@ -557,11 +579,28 @@ func (m *Transfer) AppendBody(b []byte) []byte {
 			b = appendU32(b, id)
 		}
 	}
+	if m.Layers != nil {
+		b = appendLayerRange(b, *m.Layers)
+	}
 	return b
 }
 
-// DecodeBody decodes a Transfer (Kind is kept).
+// DecodeBody decodes a Transfer (Kind is kept, and whether Layers is set:
+// the frame type says both).
 func (m *Transfer) DecodeBody(b []byte) error {
+	if m.Layers != nil {
+		// The range is the body's last bytes: the block ids before it
+		// are counted by the keys.
+		if len(b) < layerRangeSize {
+			return fmt.Errorf("%w: load-layers body of %d bytes: want a layer range at its end", ErrMalformed, len(b))
+		}
+		tail := decoder{b: b[len(b)-layerRangeSize:]}
+		*m.Layers = decodeLayerRange(&tail)
+		if tail.err != nil {
+			return tail.err
+		}
+		b = b[:len(b)-layerRangeSize]
+	}
 	d := decoder{b: b}
 	m.Cache = d.u32("cache")
 	bpk := int(d.u32("blocks per key"))

@@ -18,8 +18,13 @@ import (
 	"fmt"
 )
 
-// Version is the protocol version this package speaks.
-const Version = 1
+// Version is the newest protocol version this package speaks; a daemon
+// answers a Hello of any version from MinVersion to Version in the
+// Hello's version (version 2: the Welcome carries features).
+const Version = 2
+
+// MinVersion is the oldest protocol version this package speaks.
+const MinVersion = 1
 
 // Magic opens the Hello body: "KVHOST", then bytes 0 and 1.
 const Magic = "KVHOST\x00\x01"
@@ -142,6 +147,8 @@ func (t Type) name() string {
 		return "lookup-table"
 	case TypePurge:
 		return "purge"
+	case TypeLoadLayers:
+		return "load-layers"
 	}
 	return ""
 }
@@ -268,6 +275,9 @@ func New(t Type) (Message, error) {
 		return m, nil
 	}
 	if m := newPurgeMessage(t); m != nil {
+		return m, nil
+	}
+	if m := newLayerMessage(t); m != nil {
 		return m, nil
 	}
 	return nil, fmt.Errorf("%w: %s", ErrUnknownType, t)

@@ -30,6 +30,7 @@ func TestTypeNamesAllocateNothingForKnownTypes(t *testing.T) {
 		{TypeGroup, "group"},
 		{TypeLookupTable, "lookup-table"},
 		{TypePurge, "purge"},
+		{TypeLoadLayers, "load-layers"},
 		{TypeError, "error"},
 		{TypeCompletion, "completion"},
 		{TypeLookup | TypeReply, "lookup-reply"},

@@ -268,8 +268,8 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 			s.send(h.ID, perr(protocol.CodeMalformed, "%v", err))
 			return false
 		}
-		if m.Version != protocol.Version {
-			s.send(h.ID, perr(protocol.CodeVersion, "client speaks version %d, this daemon speaks %d", m.Version, protocol.Version))
+		if m.Version < protocol.MinVersion || m.Version > protocol.Version {
+			s.send(h.ID, perr(protocol.CodeVersion, "client speaks version %d, this daemon speaks %d to %d", m.Version, protocol.MinVersion, protocol.Version))
 			return false
 		}
 		if e := s.srv.admit(s); e != nil {
@@ -280,11 +280,14 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		s.log = s.log.With("name", m.Client)
 		c := s.srv.cfg
 		s.rd.maxFrame = c.MaxFrame
+		// The Welcome of the client's version: a version-1 client reads
+		// no features (and refuses bytes after the server name).
 		s.send(h.ID, &protocol.Welcome{
-			Version: protocol.Version, MaxFrame: uint32(c.MaxFrame),
+			Version: m.Version, MaxFrame: uint32(c.MaxFrame),
 			MaxRegistrations: uint32(c.MaxRegistrations), MaxInflightJobs: uint32(c.MaxInflightJobs),
 			MaxNamespaces: uint32(c.MaxNamespaces), MaxCaches: uint32(c.MaxCaches),
 			MaxKeys: protocol.MaxKeysPerRequest, MaxKeyLen: protocol.MaxKeyLen, Server: c.Name,
+			Features: protocol.FeatureLayerLoads,
 		})
 		s.log.Debug("client connected")
 		return true
@@ -809,7 +812,11 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 	var job *engine.Job
 	var err error
 	if m.Kind == protocol.JobLoad {
-		job, err = s.srv.eng.Load(s.ctx, engine.LoadRequest{Cache: c.id, Keys: m.Keys, Blocks: blocks})
+		req := engine.LoadRequest{Cache: c.id, Keys: m.Keys, Blocks: blocks}
+		if r := m.Layers; r != nil { // a LoadLayers: the engine checks the range against the namespace's layers
+			req.Layers = engine.LayerRange{First: int(r.First), Count: int(r.Count)}
+		}
+		job, err = s.srv.eng.Load(s.ctx, req)
 	} else {
 		job, err = s.srv.eng.Store(s.ctx, engine.StoreRequest{Cache: c.id, Keys: m.Keys, Blocks: blocks})
 	}

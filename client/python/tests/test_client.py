@@ -509,11 +509,15 @@ class FakeDaemon:
     def reply(self, ftype, req_id, body):
         self.conn.sendall(p.frame(ftype, req_id, body))
 
-    def welcome(self, max_frame=4 << 20, version=p.VERSION):
+    def welcome(self, max_frame=4 << 20, version=p.VERSION, features=0):
+        """Answers the Hello with a Welcome of version (with features from
+        version 2 on)."""
         ftype, req_id, _ = self.read_frame()
         assert ftype == p.T_HELLO
-        self.reply(p.T_HELLO | p.T_REPLY, req_id,
-                   struct.pack("<HH7I", version, 0, max_frame, 64, 256, 16, 16, 4096, 64) + bytes([4]) + b"fake")
+        body = struct.pack("<HH7I", version, 0, max_frame, 64, 256, 16, 16, 4096, 64) + bytes([4]) + b"fake"
+        if version >= 2:
+            body += struct.pack("<Q", features)
+        self.reply(p.T_HELLO | p.T_REPLY, req_id, body)
 
     def close(self):
         for s in (self.conn, self.listener):

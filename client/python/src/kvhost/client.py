@@ -310,6 +310,18 @@ class Client:
             path = default_socket()
         if timeout is not None and not 0 < timeout < 1e9:
             raise ValueError(f"timeout {timeout!r}: want seconds > 0 (finite), or None for none")
+        try:
+            self._open(path, name, timeout, lookup_table, p.VERSION)
+        except KvhostError as e:
+            if e.code != p.CODE_VERSION:
+                raise
+            # A daemon older than protocol version 2 refused the Hello and
+            # closed the connection: a new one, in version 1.
+            self._open(path, name, timeout, lookup_table, p.MIN_VERSION)
+
+    def _open(self, path, name, timeout, lookup_table, version):
+        """Connects and makes the handshake in protocol version; a refused
+        Hello raises KvhostError, the connection closed."""
         # The daemon's shared lookup table: None until the first lookup
         # asks for it, False where there is none to use.
         self._table = None if lookup_table else False
@@ -348,8 +360,8 @@ class Client:
         self._reader = threading.Thread(target=self._read_loop, name="kvhost-reader", daemon=True)
         self._reader.start()
         try:
-            _, body = self._call(p.T_HELLO, p.hello(name))
-            self.limits = p.decode_welcome(body)
+            _, body = self._call(p.T_HELLO, p.hello(name, version))
+            self.limits = p.decode_welcome(body, version)
         except TimeoutError:
             self.close()
             raise TimeoutError(errno.ETIMEDOUT, f"no answer to the handshake within {timeout}s from the kvhost "
@@ -358,6 +370,12 @@ class Client:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def supports_layer_loads(self):
+        """Whether the daemon announced layer-range loads (load's layers=)
+        in the handshake; False for a daemon older than protocol version 2."""
+        return bool(self.limits.get("features", 0) & p.FEATURE_LAYER_LOADS)
 
     def set_timeout(self, timeout):
         """Sets the bound on each later wait on the daemon (seconds > 0;
@@ -886,12 +904,29 @@ class Client:
         wait(), and a daemon that stopped answering holds up no caller."""
         return self._job(p.T_STORE, p.transfer(cache, keys, blocks), block, len(keys))
 
-    def load(self, cache, keys, blocks, block=True):
+    def load(self, cache, keys, blocks, block=True, layers=None):
         """Starts loading keys[i] into cache blocks blocks[i]; returns a Job
         (block as for store). A block id NO_BLOCK leaves that block of the
         key out (a load that starts or ends inside a key): the daemon
-        loads the key's other blocks, still verifying the whole key."""
-        return self._job(p.T_LOAD, p.transfer(cache, keys, blocks, load=True), block, len(keys))
+        loads the key's other blocks, still verifying the whole key.
+
+        layers=(first, count) loads only the layers [first, first+count)
+        of every key (count 0: every layer, first 0 then): the daemon
+        reads, verifies and writes those layers' bytes of the blocks and
+        leaves their other layers as they are; the Result's bytes are
+        those layers'. A daemon that did not announce it
+        (supports_layer_loads) raises UnsupportedError, and nothing is
+        sent; a range past the namespace's layers is refused by the daemon
+        (KvhostError, code "invalid argument", naming the range)."""
+        body = p.transfer(cache, keys, blocks, load=True)
+        if layers is None:
+            return self._job(p.T_LOAD, body, block, len(keys))
+        body += p.layer_range(layers)
+        if not self.supports_layer_loads:
+            raise UnsupportedError(p.CODE_UNSUPPORTED, f"a load of layers {tuple(layers)}: the daemon "
+                                   f"{self.limits.get('server', '')!r} announced no layer-range loads "
+                                   f"(protocol version {self.limits.get('version')})")
+        return self._job(p.T_LOAD_LAYERS, body, block, len(keys))
 
     def cancel(self, job):
         """Asks to cancel a job; True if it was still in flight."""

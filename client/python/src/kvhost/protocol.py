@@ -7,7 +7,11 @@ Every integer is little-endian. A frame is a 16-byte header
 import operator
 import struct
 
-VERSION = 1
+# The newest protocol version this client speaks, and the oldest: a daemon
+# that refuses VERSION (one older than version 2) is spoken to in
+# MIN_VERSION, and announces no features then.
+VERSION = 2
+MIN_VERSION = 1
 MAGIC = b"KVHOST\x00\x01"
 HEADER = struct.Struct("<IHHQ")
 HEADER_SIZE = HEADER.size
@@ -43,6 +47,7 @@ T_LOOKUP_TABLE = 0x0010
 T_PURGE = 0x0011
 T_PIN_LOADABLE = 0x0012
 T_GROUP = 0x0013
+T_LOAD_LAYERS = 0x0014  # a Load of a layer range of every key (version 2)
 T_REPLY = 0x8000
 T_ERROR = 0xFFFF
 T_COMPLETION = 0x4001
@@ -51,6 +56,10 @@ MAX_LEASE_MS = 24 * 60 * 60 * 1000
 PIN_MISSING, PIN_HELD = 0, 1
 PIN_NO_CACHE = 2  # PinLoadable: no cache of the namespace is registered
 MAX_GROUP_LEN = 64
+
+# Bits of a version-2 Welcome's features: what the daemon serves beyond
+# version 1.
+FEATURE_LAYER_LOADS = 1 << 0  # LoadLayers
 
 MEMORY_MEMFD = 1
 MEMORY_CUDA_IPC = 2
@@ -68,7 +77,7 @@ CODES = ["ok", "malformed", "unsupported version", "unknown type", "handshake re
          "invalid argument", "unsupported", "descriptor missing", "bad descriptor", "in use",
          "no space", "not found", "corrupt", "policy failure", "shutting down", "cancelled",
          "internal error", "timed out", "bad IPC handle"]
-CODE_UNKNOWN_TYPE, CODE_LIMIT, CODE_UNSUPPORTED = 3, 5, 10
+CODE_VERSION, CODE_UNKNOWN_TYPE, CODE_LIMIT, CODE_UNSUPPORTED = 2, 3, 5, 10
 
 STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
                 "corrupt", "vanished", "bytes_written", "bytes_read", "clients", "regions",
@@ -84,14 +93,14 @@ NAMES = {T_HELLO: "Hello", T_REGISTER_MEMORY: "RegisterMemory", T_UNREGISTER_MEM
          T_LOOKUP: "Lookup", T_STORE: "Store", T_LOAD: "Load", T_CANCEL: "Cancel", T_DELETE: "Delete",
          T_STATS: "Stats", T_UNDECLARE: "Undeclare", T_PIN: "Pin", T_UNPIN: "Unpin",
          T_LOOKUP_TABLE: "LookupTable", T_PURGE: "Purge", T_PIN_LOADABLE: "PinLoadable",
-         T_GROUP: "Group"}
+         T_GROUP: "Group", T_LOAD_LAYERS: "LoadLayers"}
 
 # The fixed part of each reply's body (docs/protocol.md); a string after it
 # (str8 or str16) or per-key bytes (Pinned) are checked by reply_problem.
 _REPLY_SIZES = {T_HELLO: 33, T_REGISTER_MEMORY: 16, T_UNREGISTER_MEMORY: 0, T_DECLARE: 24,
                 T_REGISTER_CACHE: 4, T_UNREGISTER_CACHE: 0, T_LOOKUP: 4, T_STORE: 8, T_LOAD: 8,
                 T_CANCEL: 1, T_DELETE: 4, T_STATS: 132, T_UNDECLARE: 0, T_PIN: 12, T_UNPIN: 4,
-                T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12, T_GROUP: 0}
+                T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12, T_GROUP: 0, T_LOAD_LAYERS: 8}
 
 
 def reply_problem(asked, ftype, body):
@@ -192,9 +201,9 @@ def keys_body(keys):
     return b"".join(parts)
 
 
-def hello(name):
+def hello(name, version=VERSION):
     n = name.encode()[:64]
-    return MAGIC + struct.pack("<HH", VERSION, 0) + bytes([len(n)]) + n
+    return MAGIC + struct.pack("<HH", version, 0) + bytes([len(n)]) + n
 
 
 def register_memory(kind, size, device=0, offset=0, handle=b""):
@@ -271,23 +280,47 @@ def transfer(cache, keys, blocks, load=False):
             + pack(f"<{len(flat)}I", flat, lambda i: f"key {i // bpk} block {i % bpk}"))
 
 
+def layer_range(layers):
+    """The tail of a LoadLayers body: layers (first, count), the layers
+    [first, first+count) of every key; count 0 is every layer (first 0).
+    ValueError for a range no namespace can have (the daemon checks it
+    against the namespace's layers), TypeError for what is no pair of ints."""
+    try:
+        first, count = layers
+    except (TypeError, ValueError):
+        raise TypeError(f"layers {layers!r}: want (first, count)") from None
+    body = pack("<II", (first, count), ("first layer", "layer count"))
+    if count == 0 and first != 0:
+        raise ValueError(f"layer range first {first} with count 0: count 0 means every layer, first must be 0 then")
+    if first + count > MAX_LAYERS:
+        raise ValueError(f"layer range first {first} count {count} ends past layer {MAX_LAYERS} "
+                         f"(at most {MAX_LAYERS} layers)")
+    return body
+
+
 def decode_error(body):
     code, _, n = struct.unpack_from("<BBH", body)
     return code, body[4:4 + n].decode(errors="replace")
 
 
-def decode_welcome(body):
+def decode_welcome(body, version=VERSION):
+    """The Welcome answering a Hello of version, as a dict. A Welcome of
+    an older version this client speaks (MIN_VERSION up) is read as that
+    version's; "features" (FEATURE_* bits) is 0 from a version-1 Welcome,
+    and from one that ends before them."""
     f = struct.unpack_from("<HH7I", body)
     n = body[32]
-    if f[0] != VERSION:  # another version's frames are not this client's to read
+    if not MIN_VERSION <= f[0] <= version:  # another version's frames are not this client's to read
         server = body[33:33 + n].decode(errors="replace")
         raise ProtocolError(f"the daemon {server!r} answered with a Welcome of protocol version {f[0]}; "
-                            f"this client speaks version {VERSION}")
+                            f"this client speaks version {version}")
     if not MIN_FRAME <= f[2] <= MAX_FRAME:  # the reader takes frames as long as this
         raise ProtocolError(f"max frame {f[2]}: want {MIN_FRAME}..{MAX_FRAME}")
+    features = struct.unpack_from("<Q", body, 33 + n)[0] if f[0] >= 2 and len(body) >= 33 + n + 8 else 0
     return {"version": f[0], "max_frame": f[2], "max_registrations": f[3],
             "max_inflight_jobs": f[4], "max_namespaces": f[5], "max_caches": f[6],
-            "max_keys": f[7], "max_key_len": f[8], "server": body[33:33 + n].decode(errors="replace")}
+            "max_keys": f[7], "max_key_len": f[8], "server": body[33:33 + n].decode(errors="replace"),
+            "features": features}
 
 
 def decode_completion(body):
