@@ -113,9 +113,15 @@ func fuzzSeeds() [][]byte {
 	pins = protocol.AppendFrame(pins, 24, &protocol.Unpin{Pin: 1})
 	pins = protocol.AppendFrame(pins, 25, &protocol.UnregisterCache{Cache: 3})
 	pins = protocol.AppendFrame(pins, 26, &protocol.Pin{NS: 2, Keys: key, Loadable: true, Group: "g"})
+	var layers []byte
+	layers = protocol.AppendFrame(layers, 30, &protocol.Transfer{Kind: protocol.JobStore, Cache: 3, Keys: key, Blocks: [][]uint32{{0, 1}}})
+	layers = protocol.AppendFrame(layers, 31, &protocol.Transfer{Kind: protocol.JobLoad, Cache: 3, Keys: key, Blocks: [][]uint32{{2, 3}}, Layers: &protocol.LayerRange{First: 1, Count: 1}})
+	layers = protocol.AppendFrame(layers, 32, &protocol.Transfer{Kind: protocol.JobLoad, Cache: 3, Keys: key, Blocks: [][]uint32{{protocol.NoBlock, 3}}, Layers: &protocol.LayerRange{}})
+	layers = protocol.AppendFrame(layers, 33, &protocol.Transfer{Kind: protocol.JobLoad, Cache: 3, Keys: key, Blocks: [][]uint32{{2, 3}}, Layers: &protocol.LayerRange{First: 1, Count: 2}})
 	return [][]byte{
 		seq,
 		pins,
+		layers,
 		protocol.AppendFrame(nil, 1, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: 4096}),
 		protocol.AppendFrame(nil, 1, &protocol.RegisterMemory{Kind: protocol.MemoryCUDAIPC, Size: 4096}),
 		protocol.AppendFrame(nil, 1, &protocol.Hello{Version: 1}),
