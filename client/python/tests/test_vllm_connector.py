@@ -67,6 +67,37 @@ def flip_byte(path, at):
         os.close(fd)
 
 
+def layer_caches(torch, closers, seed, nblocks=NBLOCKS):
+    """{layer name: tensor}: per-layer KV caches in FlashAttention's shape
+    of vLLM's trees, (nblocks, heads, block, 2 * head) bf16, in shared
+    memory (closed by closers), filled with random bits from seed."""
+    kv = {}
+    for i, n in enumerate(NAMES):
+        t, buf = kvhost.torch_host_tensor((nblocks, HEADS, BLOCK, 2 * HEAD), torch.bfloat16, name="connector-test")
+        closers.append(buf.close)
+        t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=torch.Generator().manual_seed(seed + i),
+                                                dtype=torch.int16))
+        kv[n] = t
+    return kv
+
+
+def worker_step(worker, meta, finished):
+    """A worker's step in vLLM's order (the model runner's and the attention
+    layers' calls): (finished sending, load error block ids, worker meta)."""
+    worker.handle_preemptions(meta)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for n in NAMES:
+        worker.wait_for_layer_load(n)
+        worker.save_kv_layer(n, None, None)
+    worker.wait_for_save()
+    sending, _ = worker.get_finished(set(finished))
+    errors = worker.get_block_ids_with_load_errors()
+    wm = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return sending, errors, wm
+
+
 def hashes(tag, n):
     """vLLM-like chained block hashes of a prompt of n blocks."""
     out, prev = [], b""
@@ -272,15 +303,7 @@ class DaemonTest(unittest.TestCase):
         self.closers.append(sched.shutdown)
         worker = self.Connector(None, "worker", config=cfg)
         self.closers.append(worker.shutdown)
-        kv = {}
-        for i, n in enumerate(NAMES):
-            t, buf = kvhost.torch_host_tensor((NBLOCKS, HEADS, BLOCK, 2 * HEAD), self.torch.bfloat16,
-                                              name="connector-test")
-            self.closers.append(buf.close)
-            t.view(self.torch.int16).copy_(self.torch.randint(
-                -2**15, 2**15, t.shape, generator=self.torch.Generator().manual_seed(seed + i),
-                dtype=self.torch.int16))
-            kv[n] = t
+        kv = layer_caches(self.torch, self.closers, seed)
         worker.register_kv_caches(kv)
         return sched, worker, kv
 
@@ -289,18 +312,8 @@ class DaemonTest(unittest.TestCase):
         load error block ids)."""
         meta = sched.build_connector_meta(so)
         meta = pickle.loads(pickle.dumps(meta))  # it travels to the workers
-        worker.handle_preemptions(meta)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
-        for n in NAMES:
-            worker.wait_for_layer_load(n)
-            worker.save_kv_layer(n, None, None)
-        worker.wait_for_save()
-        sending, _ = worker.get_finished(set(finished))
-        errors = worker.get_block_ids_with_load_errors()
-        out = NS(kv_connector_worker_meta=worker.build_connector_worker_meta(), finished_sending=sending)
-        worker.clear_connector_metadata()
-        sched.update_connector_output(out)
+        sending, errors, wm = worker_step(worker, meta, finished)
+        sched.update_connector_output(NS(kv_connector_worker_meta=wm, finished_sending=sending))
         return sending or set(), errors
 
     def save_prompt(self, sched, worker, req, ids):

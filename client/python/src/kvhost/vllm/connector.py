@@ -996,6 +996,11 @@ class _ConnectorImpl:
         self._scheduler = self._worker = None
         if _role_name(role) == "SCHEDULER":
             self._scheduler = ConnectorScheduler(config, self._ident, o)
+            ktc = getattr(vllm_config, "kv_transfer_config", None)
+            if getattr(ktc, "kv_load_failure_policy", None) == "fail":
+                log.warning("kvhost connector: kv_load_failure_policy is \"fail\": a load that fails (an evicted "
+                            "or corrupted file) fails its request; set \"kv_load_failure_policy\":\"recompute\" in "
+                            "--kv-transfer-config to have vLLM compute those tokens instead")
         else:
             self._worker = ConnectorWorker(config, self._ident, o)
 

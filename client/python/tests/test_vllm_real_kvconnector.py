@@ -1,0 +1,205 @@
+"""KvhostConnector under vLLM's own KV connector modules: vLLM's
+KVConnectorFactory builds it from vLLM's KVTransferConfig (by
+kv_connector_module_path, as --kv-transfer-config does), as a subclass of
+vLLM's KVConnectorBase_V1, for the scheduler and for a worker; its
+identity comes from vLLM's build_offloading_config of a KVCacheConfig of
+vLLM's classes; and both halves are driven in the order vLLM's engine
+calls them (scheduler: get_num_new_matched_tokens, update_state_after_alloc,
+build_connector_meta, update_connector_output, request_finished; worker:
+bind_connector_metadata, start_load_kv, wait_for_layer_load and
+save_kv_layer per layer, wait_for_save, get_finished,
+get_block_ids_with_load_errors, build_connector_worker_meta,
+clear_connector_metadata) with vLLM's SchedulerOutput, NewRequestData,
+KVCacheBlocks and KVConnectorOutput, against a real kvhost daemon with
+per-layer CPU tensors in FlashAttention's shape of these trees
+((num_blocks, heads, block, 2 * head)).
+
+Stand-ins as in test_vllm_real_multi.py: the VllmConfig (a namespace of
+the fields read), the Request (the fields read), the attention backend a
+worker observes (FLASH_ATTN, NHD).
+
+Needs a vLLM source tree: `make test-vllm VLLM_SRC=DIR`; without one every
+test here reports itself skipped.
+"""
+
+import importlib
+import os
+import pathlib
+import sys
+import types
+import unittest
+from unittest import mock
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+import daemon as d  # noqa: E402
+import vllm_tree  # noqa: E402
+from test_vllm_connector import BLOCK, HEAD, HEADS, NAMES, flip_byte, layer_caches, worker_step  # noqa: E402
+
+NO_TREE = vllm_tree.skip_reason()
+KVC = "vllm.distributed.kv_transfer.kv_connector"
+NBLOCKS = 48
+BPC = 2                      # blocks per key: "block_size": 32 tokens
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class RealKvConnectorTest(vllm_tree.RealCase):
+    support = "connector_class"
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        import torch
+        cls.torch = torch
+        cls.base = importlib.import_module(f"{KVC}.v1.base")
+        cls.factory = importlib.import_module(f"{KVC}.factory")
+        cls.kvtc = importlib.import_module("vllm.config.kv_transfer")
+        cls.kci = importlib.import_module("vllm.v1.kv_cache_interface")
+        cls.sched_out = importlib.import_module("vllm.v1.core.sched.output")
+        cls.outputs = importlib.import_module("vllm.v1.outputs")
+        cls.kcm = importlib.import_module("vllm.v1.core.kv_cache_manager")
+        cls.kcu = importlib.import_module("vllm.v1.core.kv_cache_utils")
+        cls.req_mod = importlib.import_module("vllm.v1.request")
+        from test_vllm_real_multi import MultiCase, Request, hashes
+        cls.Request, cls.hashes = Request, staticmethod(hashes)
+        cls.output, cls.blocks = MultiCase.output, MultiCase.blocks
+
+    def setUp(self):
+        self.require_support()
+        self.closers = []
+        from kvhost.vllm import spec_worker
+        p = mock.patch.object(spec_worker, "observe_layout",
+                              lambda groups: ([["FLASH_ATTN"] * len(g["layer_names"]) for g in groups], "NHD"))
+        p.start()
+        self.closers.append(p.stop)
+
+    def tearDown(self):
+        for c in reversed(self.closers):
+            c()
+
+    def vllm_config(self, **extra):
+        """What vLLM's code reads of a VllmConfig, with vLLM's own
+        KVTransferConfig naming KvhostConnector by module path."""
+        from test_vllm_real_connector import MODEL, vllm_config
+        vc = vllm_config(self.daemon.socket)
+        vc.model_config.model = MODEL
+        vc.kv_transfer_config = self.kvtc.KVTransferConfig(
+            kv_connector="KvhostConnector", kv_connector_module_path="kvhost.vllm", kv_role="kv_both",
+            engine_id="kvhost-kvconnector-test", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"socket": self.daemon.socket, "block_size": BPC * BLOCK, **extra})
+        vc.scheduler_config = types.SimpleNamespace(disable_hybrid_kv_cache_manager=True)
+        return vc
+
+    def kv_cache_config(self):
+        k = self.kci
+        spec = k.FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=self.torch.bfloat16)
+        page = spec.page_size_bytes
+        return k.KVCacheConfig(num_blocks=NBLOCKS,
+                               kv_cache_tensors=[k.KVCacheTensor(size=NBLOCKS * page, shared_by=[n]) for n in NAMES],
+                               kv_cache_groups=[k.KVCacheGroupSpec(layer_names=NAMES, kv_cache_spec=spec)])
+
+    def engine(self, seed=0, **extra):
+        """vLLM's factory's scheduler and worker connectors, the worker's
+        per-layer KV caches registered. Returns (scheduler, worker, caches)."""
+        vc, kvc = self.vllm_config(**extra), self.kv_cache_config()
+        role = self.base.KVConnectorRole
+        sched = self.factory.KVConnectorFactory.create_connector(vc, role.SCHEDULER, kvc)
+        self.closers.append(sched.shutdown)
+        worker = self.factory.KVConnectorFactory.create_connector(vc, role.WORKER, kvc)
+        self.closers.append(worker.shutdown)
+        kv = layer_caches(self.torch, self.closers, seed, NBLOCKS)
+        worker.register_kv_caches(kv)
+        return sched, worker, kv
+
+    def request(self, req_id, tag, nblocks):
+        return self.Request(self.api, req_id, self.hashes(tag, nblocks), self.req_mod.RequestStatus)
+
+    def step(self, sched, worker, so):
+        """One engine step in vLLM's order; returns vLLM's KVConnectorOutput."""
+        sending, errors, wm = worker_step(worker, sched.build_connector_meta(so), so.finished_req_ids)
+        out = self.outputs.KVConnectorOutput(finished_sending=sending, finished_recving=None,
+                                             invalid_block_ids=errors, kv_connector_worker_meta=wm)
+        sched.update_connector_output(out)
+        return out
+
+    def save_prompt(self, sched, worker, req, ids):
+        """The prompt computed in blocks ids and saved through the save
+        path, stepped until a worker reports its stores ended."""
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        sched.update_state_after_alloc(req, self.blocks(ids), 0)
+        self.step(sched, worker, self.output(new=[(req, ids)], scheduled={req.request_id: req.num_tokens}))
+        req.num_computed_tokens = req.num_tokens
+        req.status = self.req_mod.RequestStatus.FINISHED_STOPPED
+        self.assertEqual(sched.request_finished(req, list(ids)), (True, None))
+        finished = {req.request_id}
+
+        def stored():
+            out = self.step(sched, worker, self.output(finished=finished))
+            finished.clear()
+            return req.request_id in (out.finished_sending or set())
+        d.wait_for(stored, what=f"{req.request_id}'s stores ended")
+
+    def load(self, sched, worker, req, ids, want_tokens):
+        """A step loading req's claimed prefix into ids; returns vLLM's
+        KVConnectorOutput."""
+        n, load_async = sched.get_num_new_matched_tokens(req, 0)
+        self.assertEqual((n, load_async), (want_tokens, False))
+        sched.update_state_after_alloc(req, self.blocks(ids), n)
+        req.num_computed_tokens = n
+        return self.step(sched, worker, self.output(new=[(req, ids)], scheduled={req.request_id: BLOCK}))
+
+    def rows(self, kv, blocks):
+        return [bytes(kv[n][b].view(self.torch.int8).numpy().tobytes()) for n in NAMES for b in blocks]
+
+    def test_vllms_factory_builds_the_connector_as_a_kvconnectorbase_v1(self):
+        sched, worker, _ = self.engine()
+        for c in (sched, worker):
+            self.assertIsInstance(c, self.base.KVConnectorBase_V1)
+            self.assertEqual(type(c).__name__, "KvhostConnector")
+        for mod in (f"{KVC}.v1.base", f"{KVC}.factory", "vllm.config.kv_transfer"):
+            m = sys.modules[mod]
+            self.assertFalse(getattr(m, "__vllm_tree_shim__", False), mod)
+            self.assertTrue(m.__file__.startswith(self.api.src), m.__file__)
+        self.assertTrue(type(sched).requires_piecewise_for_cudagraph({}))
+        self.assertEqual(sched.role, self.base.KVConnectorRole.SCHEDULER)
+
+    def test_a_saved_prompt_is_loaded_layer_by_layer_byte_for_byte_in_vllms_call_order(self):
+        sched, worker, kv = self.engine(seed=5, load_split="all")
+        nblk = 4 * BPC + 1
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, self.request("a", "kvc-prompt", nblk), src)
+        want = self.rows(kv, src[:4 * BPC])
+        dst = list(range(20, 20 + nblk))
+        out = self.load(sched, worker, self.request("b", "kvc-prompt", nblk), dst, 4 * BPC * BLOCK)
+        self.assertEqual(out.invalid_block_ids, set())
+        self.assertEqual(self.rows(kv, dst[:4 * BPC]), want)
+        self.assertGreater(sched.counters()["load_measurements"], 0)
+
+    def test_a_corrupted_file_is_reported_as_invalid_blocks(self):
+        sched, worker, kv = self.engine(seed=9, load_split="all")
+        nblk = 2 * BPC + 1
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, self.request("a", "kvc-corrupt", nblk), src)
+        files = self.daemon.data_files()
+        self.assertTrue(files)
+        try:
+            for f in files:
+                flip_byte(f, -100)
+            dst = list(range(30, 30 + nblk))
+            out = self.load(sched, worker, self.request("b", "kvc-corrupt", nblk), dst, 2 * BPC * BLOCK)
+            self.assertTrue(out.invalid_block_ids)
+            self.assertLessEqual(out.invalid_block_ids, set(dst[:2 * BPC]))
+        finally:
+            for f in files:
+                if os.path.exists(f):
+                    os.unlink(f)
+
+    def test_unknown_options_are_refused_by_name(self):
+        with self.assertRaisesRegex(ValueError, "no_such_option"):
+            self.engine(no_such_option=1)
+
+
+if __name__ == "__main__":
+    unittest.main()
