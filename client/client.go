@@ -25,7 +25,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -724,8 +723,8 @@ func (c *Client) Load(ctx context.Context, cache CacheID, keys [][]byte, blocks 
 // (protocol.CodeInvalid, naming the range). It returns ErrUnsupported,
 // sending nothing, where the daemon did not announce FeatureLayerLoads.
 func (c *Client) LoadLayers(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32, first, count int) (*Job, error) {
-	if first < 0 || count < 0 || first > math.MaxUint32 || count > math.MaxUint32 {
-		return nil, fmt.Errorf("%w: layer range first %d count %d: want first, count >= 0", ErrInvalid, first, count)
+	if first < 0 || count < 0 || first > protocol.MaxLayers || count > protocol.MaxLayers {
+		return nil, fmt.Errorf("%w: layer range first %d count %d: want first and count in 0..%d", ErrInvalid, first, count, protocol.MaxLayers)
 	}
 	r := &protocol.LayerRange{First: uint32(first), Count: uint32(count)}
 	if err := r.Check(); err != nil {

@@ -67,3 +67,39 @@ func Example() {
 		fmt.Println(res.Keys[0].Outcome)
 	}
 }
+
+// ExampleClient_LoadLayers loads a key layer by layer, as a model that
+// computes layer i while layer i+1 loads would: one job per layer, each
+// waited for before its layer is used. A daemon that does not serve
+// layer-range loads gets one whole Load instead.
+func ExampleClient_LoadLayers() {
+	ctx := context.Background()
+	c, err := client.Dial(ctx, client.DefaultSocket(), "worker-0")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+	var cache client.CacheID // a registered cache of a 32-layer namespace (see Example)
+	key, blocks := [][]byte{[]byte("prefix-hash-0")}, [][]uint32{{0, 1, 2, 3}}
+	if !c.Supports(client.FeatureLayerLoads) {
+		job, err := c.Load(ctx, cache, key, blocks)
+		if err != nil {
+			log.Fatal(err)
+		}
+		job.Wait(ctx)
+		return
+	}
+	jobs := make([]*client.Job, 32)
+	for l := range jobs { // submitted at once; the daemon runs them as its queues allow
+		if jobs[l], err = c.LoadLayers(ctx, cache, key, blocks, l, 1); err != nil {
+			log.Fatal(err)
+		}
+	}
+	for l, job := range jobs {
+		res, err := job.Wait(ctx)
+		if err != nil || res.Err() != nil {
+			log.Fatalf("layer %d: %v %v", l, err, res.Err())
+		}
+		// layer l's blocks hold the key's bytes now: compute it
+	}
+}
