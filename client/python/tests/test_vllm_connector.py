@@ -67,13 +67,15 @@ def flip_byte(path, at):
         os.close(fd)
 
 
-def layer_caches(torch, closers, seed, nblocks=NBLOCKS):
+def layer_caches(torch, closers, seed, nblocks=NBLOCKS, planes=False):
     """{layer name: tensor}: per-layer KV caches in FlashAttention's shape
-    of vLLM's trees, (nblocks, heads, block, 2 * head) bf16, in shared
-    memory (closed by closers), filled with random bits from seed."""
+    of vLLM's trees, (nblocks, heads, block, 2 * head) bf16, or with planes
+    (2, nblocks, block, heads, head), in shared memory (closed by
+    closers), filled with random bits from seed."""
     kv = {}
+    shape = (2, nblocks, BLOCK, HEADS, HEAD) if planes else (nblocks, HEADS, BLOCK, 2 * HEAD)
     for i, n in enumerate(NAMES):
-        t, buf = kvhost.torch_host_tensor((nblocks, HEADS, BLOCK, 2 * HEAD), torch.bfloat16, name="connector-test")
+        t, buf = kvhost.torch_host_tensor(shape, torch.bfloat16, name="connector-test")
         closers.append(buf.close)
         t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=torch.Generator().manual_seed(seed + i),
                                                 dtype=torch.int16))
@@ -297,13 +299,13 @@ class DaemonTest(unittest.TestCase):
         for c in reversed(self.closers):
             c()
 
-    def pair(self, seed=0, **extra):
-        cfg = offloading_config(self.daemon.socket, **extra)
+    def pair(self, seed=0, planes=False, **extra):
+        cfg = offloading_config(self.daemon.socket, layout="planes" if planes else "blocks", **extra)
         sched = self.Connector(None, "scheduler", config=cfg)
         self.closers.append(sched.shutdown)
         worker = self.Connector(None, "worker", config=cfg)
         self.closers.append(worker.shutdown)
-        kv = layer_caches(self.torch, self.closers, seed)
+        kv = layer_caches(self.torch, self.closers, seed, planes=planes)
         worker.register_kv_caches(kv)
         return sched, worker, kv
 
@@ -327,27 +329,42 @@ class DaemonTest(unittest.TestCase):
         d.wait_for(lambda: sent.update(self.step(sched, worker, empty_output(), {req.request_id})[0]) or
                    req.request_id in sent, what="the prompt's stores")
 
-    def rows(self, kv, blocks):
-        return [bytes(kv[n][b].view(self.torch.int8).numpy().tobytes()) for n in NAMES for b in blocks]
+    def rows(self, kv, blocks, planes=False):
+        i8 = self.torch.int8
+        if planes:
+            return [bytes(kv[n][p, b].view(i8).numpy().tobytes()) for n in NAMES for p in (0, 1) for b in blocks]
+        return [bytes(kv[n][b].view(i8).numpy().tobytes()) for n in NAMES for b in blocks]
 
     def test_a_saved_prefix_loads_layer_by_layer_into_other_blocks_byte_for_byte(self):
-        sched, worker, kv = self.pair(load_split="all")
-        nblk = 4 * BPC + 1  # four whole chunks and a block more
-        src = list(range(1, 1 + nblk))
-        self.save_prompt(sched, worker, Request("a", "p1", nblk), src)
-        want = self.rows(kv, src[:4 * BPC])
+        for planes in (False, True):
+            with self.subTest(planes=planes):
+                sched, worker, kv = self.pair(seed=7 * planes, planes=planes, load_split="all")
+                nblk = 4 * BPC + 1  # four whole chunks and a block more
+                src = list(range(1, 1 + nblk))
+                tag = f"p1-{planes}"
+                self.save_prompt(sched, worker, Request("a", tag, nblk), src)
+                want = self.rows(kv, src[:4 * BPC], planes)
 
-        req = Request("b", "p1", nblk)
-        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (4 * CHUNK, False))
-        dst = list(range(30, 30 + nblk))
-        sched.update_state_after_alloc(req, dst, 4 * CHUNK)
-        _, errors = self.step(sched, worker, new_output(req, dst, 4 * CHUNK, BLOCK))
-        self.assertEqual(errors, set())
-        self.assertEqual(self.rows(kv, dst[:4 * BPC]), want)
-        c = worker.counters()
-        self.assertGreaterEqual(c["load_jobs"], 1)
-        self.assertEqual(c.get("load_failed_keys", 0), 0)
-        self.assertGreater(sched.counters()["load_measurements"], 0)
+                req = Request("b", tag, nblk)
+                self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (4 * CHUNK, False))
+                dst = list(range(30, 30 + nblk))
+                sched.update_state_after_alloc(req, dst, 4 * CHUNK)
+                _, errors = self.step(sched, worker, new_output(req, dst, 4 * CHUNK, BLOCK))
+                self.assertEqual(errors, set())
+                self.assertEqual(self.rows(kv, dst[:4 * BPC], planes), want)
+                c = worker.counters()
+                # One job per layer where the daemon loads layer ranges, else one for all.
+                self.assertEqual(c["load_jobs"], LAYERS if c["layer_loads"] else 1)
+                self.assertEqual(c.get("load_failed_keys", 0), 0)
+                self.assertGreater(sched.counters()["load_measurements"], 0)
+
+    def test_tensors_of_another_layout_are_refused_naming_the_option(self):
+        cfg = offloading_config(self.daemon.socket, layout="planes")
+        worker = self.Connector(None, "worker", config=cfg)
+        self.closers.append(worker.shutdown)
+        kv = layer_caches(self.torch, self.closers, 0)
+        with self.assertRaisesRegex(ValueError, 'tensor_layout "blocks"'):
+            worker.register_kv_caches(kv)
 
     def test_a_gpu_prefix_hit_loads_only_the_blocks_after_it(self):
         sched, worker, kv = self.pair(load_split="all")
