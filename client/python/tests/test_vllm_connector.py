@@ -383,6 +383,21 @@ class DaemonTest(unittest.TestCase):
         self.assertEqual(self.rows(kv, dst[1:3 * BPC]), want)
         self.assertEqual(self.rows(kv, [1]), before)
 
+    def test_the_keys_to_load_stay_pinned_until_the_workers_loaded_them(self):
+        sched, worker, _ = self.pair(load_split="all")
+        nblk = 2 * BPC + 1
+        self.save_prompt(sched, worker, Request("a", "p6", nblk), list(range(1, 1 + nblk)))
+        req = Request("b", "p6", nblk)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (2 * CHUNK, False))
+        dst = list(range(20, 20 + nblk))
+        sched.update_state_after_alloc(req, dst, 2 * CHUNK)
+        meta = sched.build_connector_meta(new_output(req, dst, 2 * CHUNK, BLOCK))
+        self.assertEqual(sched.counters()["pinned_steps"], 1)
+        sending, errors, wm = worker_step(worker, meta, ())
+        self.assertEqual((errors, wm.steps), (set(), (meta.step,)))
+        sched.update_connector_output(NS(kv_connector_worker_meta=wm, finished_sending=sending))
+        self.assertEqual(sched.counters()["pinned_steps"], 0)
+
     def test_a_corrupted_file_comes_back_as_load_errors_never_as_loaded_bytes(self):
         sched, worker, kv = self.pair(load_split="all")
         nblk = 2 * BPC + 1

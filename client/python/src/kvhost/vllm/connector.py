@@ -216,31 +216,34 @@ class Transfer:
 class ConnectorMetadata:
     """The scheduler's word to the workers for one step (what
     build_connector_meta returns and bind_connector_metadata takes): loads
-    and saves (lists of Transfer) and the ids of requests preempted this
-    step. Picklable."""
+    and saves (lists of Transfer), the ids of requests preempted this step,
+    and the step's number (its loads' end is reported back with it; 0 for
+    metadata built by hand). Picklable."""
 
-    def __init__(self, loads=(), saves=(), preempted=()):
+    def __init__(self, loads=(), saves=(), preempted=(), step=0):
         self.loads, self.saves, self.preempted = list(loads), list(saves), set(preempted)
+        self.step = int(step)
 
     def __reduce__(self):
-        return (ConnectorMetadata, (self.loads, self.saves, self.preempted))
+        return (ConnectorMetadata, (self.loads, self.saves, self.preempted, self.step))
 
 
 class WorkerMeta:
     """What a worker tells the scheduler after a step
-    (build_connector_worker_meta): the bytes its loads moved and the
-    seconds they took, for the split's load rate. vLLM sums the workers'
-    (aggregate)."""
+    (build_connector_worker_meta): the steps whose loads ended (their pins
+    can go), and the bytes the loads moved and the seconds they took, for
+    the split's load rate. vLLM joins the workers' (aggregate)."""
 
-    def __init__(self, nbytes=0, seconds=0.0):
-        self.nbytes, self.seconds = int(nbytes), float(seconds)
+    def __init__(self, nbytes=0, seconds=0.0, steps=()):
+        self.nbytes, self.seconds, self.steps = int(nbytes), float(seconds), tuple(steps)
 
     def aggregate(self, other):
-        """The sum of two workers' measurements (the slowest worker's time)."""
-        return WorkerMeta(self.nbytes + other.nbytes, max(self.seconds, other.seconds))
+        """Both workers' bytes, the slower one's time, either's steps."""
+        return WorkerMeta(self.nbytes + other.nbytes, max(self.seconds, other.seconds),
+                          sorted(set(self.steps) | set(other.steps)))
 
     def __reduce__(self):
-        return (WorkerMeta, (self.nbytes, self.seconds))
+        return (WorkerMeta, (self.nbytes, self.seconds, self.steps))
 
 
 # -- the scheduler half -------------------------------------------------------------
@@ -300,8 +303,9 @@ class ConnectorScheduler(_Half):
         self._cv = threading.Condition(self._lock)
         self._reqs = {}
         self._loads = {}                       # req id -> Transfer, for the next build_connector_meta
-        self._pins = collections.deque()       # per step built: the pin ids its loads hold
+        self._pins = {}                        # step -> (when, the pin ids its loads hold)
         self._step_pins = []
+        self._steps = 0                        # steps built
         self._stats = collections.Counter()
         self._broken, self._closing, self._reconnectors = None, False, []
         self.namespaces = [geometry(ident, r).model for r in range(self._tp)]
@@ -474,12 +478,14 @@ class ConnectorScheduler(_Half):
                     st.blocks = list(new[0]) if rid in resumed else st.blocks + list(new[0])
                 self._save(st, cr.num_computed_tokens[i] + sched.get(rid, 0), saves)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or set()
-        meta = ConnectorMetadata(list(self._loads.values()), saves, preempted)
+        self._steps += 1
+        meta = ConnectorMetadata(list(self._loads.values()), saves, preempted, self._steps)
         self._stats["load_keys"] += sum(len(t.keys) for t in meta.loads)
         self._stats["save_keys"] += sum(len(t.keys) for t in saves)
         self._loads = {}
-        self._pins.append(self._step_pins)
-        self._step_pins = []
+        if self._step_pins:
+            self._pins[self._steps] = (time.monotonic(), self._step_pins)
+            self._step_pins = []
         return meta
 
     def _save(self, st, done, saves):
@@ -500,13 +506,22 @@ class ConnectorScheduler(_Half):
         st.saved = True
 
     def update_connector_output(self, connector_output):
-        """Releases the pins of the oldest step whose output is back, and
-        takes the workers' measured loads into the split's load rate."""
-        if self._pins:
-            pins = self._pins.popleft()
-            self._unpin(pins)
+        """Releases the pins of the steps whose loads the workers ended (and
+        of steps older than the pins' lease, which ended them anyway), and
+        takes the workers' measured loads into the split's load rate. vLLM
+        hands no output for a step whose workers had nothing to say: a
+        step with loads always has (its WorkerMeta)."""
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(wm, WorkerMeta) and wm.nbytes:
+        if not isinstance(wm, WorkerMeta):
+            return
+        pins = []
+        for s in wm.steps:
+            pins += self._pins.pop(s, (0, []))[1]
+        old = time.monotonic() - self._opts["pin_lease_s"]
+        for s in [s for s, (t, _) in self._pins.items() if t < old]:
+            pins += self._pins.pop(s)[1]
+        self._unpin(pins)
+        if wm.nbytes:
             self.cost.observe_load(wm.nbytes, wm.seconds)
             self._stats["load_measurements"] += 1
 
@@ -530,6 +545,7 @@ class ConnectorScheduler(_Half):
         """The scheduler's counters since it started (for tests and tools)."""
         s = dict(self._stats)
         s["load_gbps"] = self.cost.load_gbps
+        s["pinned_steps"] = len(self._pins)
         s["connected"] = self._broken is None
         return s
 
@@ -553,12 +569,13 @@ def _block_ids(blocks):
 
 
 class _Step:
-    """The loads of one step: per layer group, its daemon jobs and
-    (transfer, key index) of each key they load; when they started."""
-    __slots__ = ("jobs", "keys", "waited", "t0", "nbytes", "t_end", "layer_group")
+    """The loads of one step: its number (the scheduler's), per layer
+    group its daemon jobs (each with the block lists of its keys), the
+    groups waited for, when they started and ended, the bytes moved."""
+    __slots__ = ("number", "jobs", "waited", "t0", "nbytes", "t_end", "layer_group")
 
-    def __init__(self, layer_group):
-        self.jobs, self.keys, self.waited = {}, {}, set()
+    def __init__(self, number, layer_group):
+        self.number, self.jobs, self.waited = number, {}, set()
         self.t0, self.nbytes, self.t_end = time.monotonic(), 0, None
         self.layer_group = layer_group  # layer index -> its group's index
 
@@ -588,6 +605,7 @@ class ConnectorWorker(_Half):
         self._finishing = set()                        # req ids finished, stores still in flight
         self._saving = set()                           # req ids with a save sent (get_finished reports them)
         self._measured = [0, 0.0]                      # bytes, seconds of loads since the last worker meta
+        self._done_steps = []                          # steps whose loads ended since the last worker meta
         self._stats = collections.Counter()
         self._layer_loads = None
         self.namespace = geometry(ident, self.shard).model
@@ -719,14 +737,10 @@ class ConnectorWorker(_Half):
         nl = len(self._names)
         lpl = self._opts["layers_per_load"] if self._client is not None and self.layer_loads() else nl
         groups = [(f, min(lpl, nl - f)) for f in range(0, nl, lpl)]
-        step = _Step([i // lpl for i in range(nl)])
+        step = _Step(getattr(meta, "step", 0), [i // lpl for i in range(nl)])
         self._step = step
-        keys, blocks, owners = [], [], []
-        for t in loads:
-            for i, (k, b) in enumerate(zip(t.keys, t.blocks)):
-                keys.append(k)
-                blocks.append(b)
-                owners.append(t)
+        keys = [k for t in loads for k in t.keys]
+        blocks = [b for t in loads for b in t.blocks]
         bad = [i for i, b in enumerate(blocks) if any(x != p.NO_BLOCK and not 0 <= x < self._nblocks for x in b)]
         if self._client is None or self._broken is not None or bad:
             why = "no daemon connection" if not bad else f"block ids outside the cache's {self._nblocks} blocks"
@@ -821,6 +835,7 @@ class ConnectorWorker(_Half):
             self._measured[0] += step.nbytes
             self._measured[1] += step.t_end - step.t0
             self._stats["bytes_loaded"] += step.nbytes
+        self._done_steps.append(step.number)
         self._step = None
 
     # -- saves -----------------------------------------------------------------
@@ -906,11 +921,11 @@ class ConnectorWorker(_Half):
         return out
 
     def worker_meta(self):
-        """The loads measured since the last call, as a WorkerMeta (None
-        where none)."""
-        nbytes, secs = self._measured
-        self._measured = [0, 0.0]
-        return WorkerMeta(nbytes, secs) if nbytes else None
+        """The steps whose loads ended and the loads measured since the
+        last call, as a WorkerMeta (None where no load ended)."""
+        (nbytes, secs), steps = self._measured, self._done_steps
+        self._measured, self._done_steps = [0, 0.0], []
+        return WorkerMeta(nbytes, secs, steps) if steps or nbytes else None
 
     def counters(self):
         """The worker's counters since it started (for tests and tools)."""
