@@ -579,6 +579,11 @@ type Stats struct {
 	RemoveFailures uint64
 	BytesWritten   uint64 // payload bytes stored (no headers or padding)
 	BytesRead      uint64 // payload bytes of the keys loaded
+	// LayerLoadsByKey counts the keys of layer-range loads
+	// (LoadRequest.Layers) verified by the whole key's checksum, from
+	// files without layer sums: their other layers were read too (the
+	// slow way; BytesRead counts those bytes).
+	LayerLoadsByKey uint64
 	// PinnedFilesOpen is the files held open now for client pins, where
 	// another engine sharing the directory may remove them (a cluster
 	// mount's other nodes' files; every file of a shared network file

@@ -1,24 +1,87 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/format"
 )
+
+// layerFixture is an engine on one mount (dir) with smallGeometry(true)
+// (4 layers, 4 blocks per key) declared and a cache of 40 blocks whose
+// blocks 0-11 hold 3 keys stored from them (0-3, 4-7, 8-11).
+type layerFixture struct {
+	e      *Engine
+	ns     NamespaceID
+	c      *testCache
+	dir    string
+	keys   [][]byte
+	src    [][]int
+	stored []byte // the cache's bytes after the store
+}
+
+func newLayerFixture(t testing.TB, io string, order, kpf uint32, layout int) *layerFixture {
+	t.Helper()
+	ctx := context.Background()
+	dir := t.TempDir()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: io}}, Policy: newTestPolicy(kpf, order)})
+	g := smallGeometry(true)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &layerFixture{e: e, ns: ns, c: newTestCache(t, e, ns, g, 40, layout), dir: dir, keys: testKeys("lr", 3), src: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}}}
+	r := rand.New(rand.NewPCG(uint64(order), uint64(kpf)))
+	for _, b := range f.src {
+		f.c.fill(r, b)
+	}
+	storeAndCheck(t, e, f.c, f.keys, f.src)
+	f.stored = bytes.Clone(f.c.reg.Bytes())
+	return f
+}
+
+// want returns what the cache holds after a load of the layers lr of the
+// stored keys ks into blocks, over a cache of pattern bytes: the pattern
+// everywhere but in those layers of the named blocks, which get their
+// stored bytes; and the bytes the load moves.
+func (f *layerFixture) want(pattern byte, ks []int, blocks [][]int, lr LayerRange) ([]byte, int64) {
+	g := f.c.geo
+	want := bytes.Repeat([]byte{pattern}, len(f.c.reg.Bytes()))
+	var n int64
+	for i, k := range ks {
+		for b, dst := range blocks[i] {
+			if dst == NoBlock {
+				continue
+			}
+			for l := range g.Layers {
+				if !lr.all() && (l < lr.First || l >= lr.First+lr.Count) {
+					continue
+				}
+				for p := range g.Planes() {
+					t := f.c.layers[l]
+					to := t.Offset + int64(p)*t.PlaneStride + int64(dst)*t.BlockStride
+					from := t.Offset + int64(p)*t.PlaneStride + int64(f.src[k][b])*t.BlockStride
+					copy(want[to:to+g.BlockBytes()], f.stored[from:from+g.BlockBytes()])
+					n += g.BlockBytes()
+				}
+			}
+		}
+	}
+	return want, n
+}
 
 // TestLoadLayerRangeValidation: a load's layer range outside the
 // namespace's layers, or a first layer with count 0, is refused with
 // ErrInvalid naming the range and the layer count.
 func TestLoadLayerRangeValidation(t *testing.T) {
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, 0)})
-	ctx := context.Background()
-	g := smallGeometry(true) // 4 layers
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+	f := newLayerFixture(t, IOBuffered, abi.OrderLayerMajor, 1, layoutPlaneFirst)
 	for _, tc := range []struct {
 		name string
 		r    LayerRange
@@ -30,9 +93,253 @@ func TestLoadLayerRangeValidation(t *testing.T) {
 		{"past the last layer", LayerRange{First: 3, Count: 2}, "<= 4 layers"},
 		{"first past the layers", LayerRange{First: 4, Count: 1}, "<= 4 layers"},
 	} {
-		_, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: testKeys("a", 1), Blocks: [][]int{{0, 1, 2, 3}}, Layers: tc.r})
+		_, err := f.e.Load(context.Background(), LoadRequest{Cache: f.c.id, Keys: f.keys[:1], Blocks: [][]int{{20, 21, 22, 23}}, Layers: tc.r})
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: load of %v: %v, want ErrInvalid naming %q", tc.name, tc.r, err, tc.want)
 		}
+	}
+}
+
+// layerRanges are the shapes of a layer range of 4 layers.
+var layerRanges = []struct {
+	name string
+	r    LayerRange
+}{
+	{"first layer", LayerRange{First: 0, Count: 1}},
+	{"last layer", LayerRange{First: 3, Count: 1}},
+	{"middle layers", LayerRange{First: 1, Count: 2}},
+	{"every layer named", LayerRange{First: 0, Count: 4}},
+	{"zero range", LayerRange{}},
+}
+
+// TestLoadLayerRange: a load of a layer range puts those layers of each
+// named block's bytes where it asked and writes nothing else of the cache
+// (other layers, and blocks left out, keep a pattern written before the
+// load), and reports the bytes it moved; for every range shape, both
+// payload orders, one and several keys per file, buffered and direct
+// I/O, keys with and without NoBlock blocks. Layer-major files carry
+// layer sums (and a range load of them is verified per layer);
+// block-major ones do not, and a range load of them is verified by the
+// whole key (Stats.LayerLoadsByKey).
+func TestLoadLayerRange(t *testing.T) {
+	cases := append([]struct {
+		name   string
+		keys   []int
+		blocks [][]int
+	}{{"every block of every key", []int{0, 1, 2}, [][]int{{20, 21, 22, 23}, {24, 25, 26, 27}, {28, 29, 30, 31}}}}, noBlockCases...)
+	for _, io := range []string{IOBuffered, IOAuto} {
+		for _, order := range []uint32{abi.OrderLayerMajor, abi.OrderBlockMajor} {
+			for _, kpf := range []uint32{1, 3} {
+				t.Run(fmt.Sprintf("io=%s/order=%d/keysPerFile=%d", io, order, kpf), func(t *testing.T) {
+					ctx := context.Background()
+					f := newLayerFixture(t, io, order, kpf, layoutPlaneFirst)
+					for _, path := range dataFiles(t, f.dir) {
+						if h := decodeFile(t, path); (h.LayerSums != nil) != (order == abi.OrderLayerMajor) {
+							t.Fatalf("%s: layer sums %v in a file of order %d", path, h.LayerSums, order)
+						}
+					}
+					for _, lr := range layerRanges {
+						for _, tc := range cases {
+							t.Run(lr.name+"/"+tc.name, func(t *testing.T) {
+								mem := f.c.reg.Bytes()
+								for i := range mem {
+									mem[i] = 0xA5
+								}
+								want, n := f.want(0xA5, tc.keys, tc.blocks, lr.r)
+								var ks [][]byte
+								for _, k := range tc.keys {
+									ks = append(ks, f.keys[k])
+								}
+								byKey := f.e.Stats().LayerLoadsByKey
+								res := wait(t)(f.e.Load(ctx, LoadRequest{Cache: f.c.id, Keys: ks, Blocks: tc.blocks, Layers: lr.r}))
+								wantOutcomes(t, "load", res, OutcomeLoaded)
+								if res.Bytes != n {
+									t.Errorf("the job reports %d bytes, want the %d bytes of the range's layers of the named blocks", res.Bytes, n)
+								}
+								if i := firstDiff(mem, want); i >= 0 {
+									t.Fatalf("byte %d of the cache is 0x%02x, want 0x%02x (%s)", i, mem[i], want[i], f.c.where(i))
+								}
+								wantByKey := byKey
+								if order == abi.OrderBlockMajor && !lr.r.all() {
+									wantByKey += uint64(len(ks))
+								}
+								if got := f.e.Stats().LayerLoadsByKey; got != wantByKey {
+									t.Errorf("LayerLoadsByKey %d, want %d", got, wantByKey)
+								}
+							})
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// stripLayerSums rewrites the header area of the file at path without its
+// layer sums, as a writer built before them wrote it.
+func stripLayerSums(t testing.TB, path string, h *format.Header) {
+	t.Helper()
+	h.LayerSums = nil
+	b := make([]byte, h.Len())
+	if err := h.Encode(b); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeAt(path, b, 0); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// writeAt writes b at off of the file at path.
+func writeAt(path string, b []byte, off int64) error {
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	if _, err := f.WriteAt(b, off); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// TestLoadLayerRangeVerifies: a byte changed in the file inside a loaded
+// layer fails the key as corrupt (the file dropped), as does one in a
+// NoBlock block of a loaded layer (its layer's checksum covers it); a
+// byte changed outside the range of a file with layer sums goes unseen:
+// the range loads, and only its bytes are read. A file without layer sums
+// (written before them) verifies a range through the whole key: a byte
+// changed outside the range fails it.
+func TestLoadLayerRangeVerifies(t *testing.T) {
+	lr := LayerRange{First: 1, Count: 2}
+	for _, tc := range []struct {
+		name    string
+		order   uint32
+		strip   bool // rewrite the header without layer sums
+		layer   int  // of the changed byte
+		block   int  // of the key, whose byte changes
+		corrupt bool
+	}{
+		{"layer sums: byte in a loaded layer", abi.OrderLayerMajor, false, 2, 1, true},
+		{"layer sums: byte in a NoBlock block of a loaded layer", abi.OrderLayerMajor, false, 1, 0, true},
+		{"layer sums: byte in a layer before the range", abi.OrderLayerMajor, false, 0, 1, false},
+		{"layer sums: byte in a layer after the range", abi.OrderLayerMajor, false, 3, 2, false},
+		{"no layer sums: byte in a loaded layer", abi.OrderLayerMajor, true, 2, 1, true},
+		{"no layer sums: byte in a layer outside the range", abi.OrderLayerMajor, true, 3, 2, true},
+		{"block-major: byte in a layer outside the range", abi.OrderBlockMajor, false, 0, 3, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			f := newLayerFixture(t, IOBuffered, tc.order, 1, layoutPlaneFirst)
+			// Key 1's file alone: the fixture stored 3 files.
+			h, path := f.fileOf(t, 1)
+			if tc.strip {
+				stripLayerSums(t, path, h)
+			}
+			raw, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			off := int64(h.Len()) + h.Offset(0, tc.block, tc.layer, 1) + 5
+			if err := writeAt(path, []byte{raw[off] ^ 0xFF}, off); err != nil {
+				t.Fatal(err)
+			}
+			mem := f.c.reg.Bytes()
+			for i := range mem {
+				mem[i] = 0x3C
+			}
+			blocks := [][]int{{NoBlock, 20, 21, 22}}
+			want, n := f.want(0x3C, []int{1}, blocks, lr)
+			read := f.e.Stats().BytesRead
+			res := wait(t)(f.e.Load(ctx, LoadRequest{Cache: f.c.id, Keys: f.keys[1:2], Blocks: blocks, Layers: lr}))
+			if tc.corrupt {
+				if o := res.Keys[0].Outcome; o != OutcomeFailed || !errors.Is(res.Keys[0].Err, ErrCorrupt) {
+					t.Fatalf("load: %v (%v), want failed as corrupt", o, res.Keys[0].Err)
+				}
+				if n, _ := f.e.Lookup(ctx, f.ns, f.keys[1:2]); n != 0 {
+					t.Fatal("the corrupt file is still indexed")
+				}
+				return
+			}
+			wantOutcomes(t, "load", res, OutcomeLoaded)
+			if i := firstDiff(mem, want); i >= 0 {
+				t.Fatalf("byte %d of the cache is 0x%02x, want 0x%02x (%s)", i, mem[i], want[i], f.c.where(i))
+			}
+			// Read: the range's layers of the key, its NoBlock block too.
+			if got, wantRead := f.e.Stats().BytesRead-read, uint64(int64(lr.Count)*h.LayerBytes()); got != wantRead {
+				t.Errorf("read %d bytes, want %d (the range's layers; %d moved)", got, wantRead, n)
+			}
+		})
+	}
+}
+
+// fileOf returns the header and path of the file holding the stored key
+// k (one key per file).
+func (f *layerFixture) fileOf(t testing.TB, k int) (*format.Header, string) {
+	t.Helper()
+	for _, path := range dataFiles(t, f.dir) {
+		if h := decodeFile(t, path); h != nil {
+			if _, err := h.Match(h.Fingerprint, f.keys[k]); err == nil {
+				return h, path
+			}
+		}
+	}
+	t.Fatalf("no file holds key %d", k)
+	return nil, ""
+}
+
+// decodeFile returns the header of the kvhost file at path.
+func decodeFile(t testing.TB, path string) *format.Header {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := format.Decode(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// TestLoadLayerRangeOnVLLMFSMount: a layer range load of a vllm-fs row
+// (no header, no checksums) reads the range's layers at their offsets in
+// the row as the engine lays a namespace's key out there (an MLA
+// geometry of several layers), and writes nothing else of the cache.
+func TestLoadLayerRangeOnVLLMFSMount(t *testing.T) {
+	ctx := context.Background()
+	// An MLA geometry of 4 layers (vLLM's row of a K/V one has no layers
+	// kvhost could place).
+	g := smallGeometry(true)
+	g.Model, g.MLA, g.KVHeads = tierModel, true, 1
+	tier := newFSTier(t.TempDir(), int(g.KeyBytes()))
+	e := openEngine(t, Config{Mounts: []Mount{{Path: tier.root, VLLMFS: &VLLMFS{Fields: tier.fields(), Namespace: tierModel}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor)})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &layerFixture{e: e, ns: ns, c: newTestCache(t, e, ns, g, 40, layoutPlaneFirst), keys: tierKeys(9, 2), src: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}}}
+	r := rand.New(rand.NewPCG(9, 10))
+	for _, b := range f.src {
+		f.c.fill(r, b)
+	}
+	storeAndCheck(t, e, f.c, f.keys, f.src)
+	f.stored = bytes.Clone(f.c.reg.Bytes())
+	for _, lr := range layerRanges {
+		t.Run(lr.name, func(t *testing.T) {
+			mem := f.c.reg.Bytes()
+			for i := range mem {
+				mem[i] = 0x77
+			}
+			blocks := [][]int{{20, 21, NoBlock, 22}, {23, 24, 25, 26}}
+			want, n := f.want(0x77, []int{0, 1}, blocks, lr.r)
+			res := wait(t)(e.Load(ctx, LoadRequest{Cache: f.c.id, Keys: f.keys, Blocks: blocks, Layers: lr.r}))
+			wantOutcomes(t, "load", res, OutcomeLoaded)
+			if res.Bytes != n {
+				t.Errorf("the job reports %d bytes, want %d", res.Bytes, n)
+			}
+			if i := firstDiff(mem, want); i >= 0 {
+				t.Fatalf("byte %d of the cache is 0x%02x, want 0x%02x (%s)", i, mem[i], want[i], f.c.where(i))
+			}
+		})
 	}
 }

@@ -28,20 +28,17 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 	if err := req.Layers.check(c.ns.geo.Layers); err != nil {
 		return nil, err
 	}
-	if !req.Layers.all() {
-		return nil, fmt.Errorf("%w: %v: layer ranges are not supported yet", ErrInvalid, req.Layers)
-	}
 	keys, blocks := cloneRequest(req.Keys, req.Blocks)
 	j, jctx, err := e.newJob(ctx, "load", len(keys))
 	if err != nil {
 		return nil, err
 	}
 	j.mem = c.kind
-	go e.runLoad(jctx, j, c, keys, blocks)
+	go e.runLoad(jctx, j, c, keys, blocks, req.Layers)
 	return j, nil
 }
 
-func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int) {
+func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange) {
 	defer e.finish(j)
 	ns := c.ns
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
@@ -85,7 +82,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		go func() {
 			defer wg.Done()
 			defer e.releaseSlot()
-			e.loadFile(ctx, j, c, keys, blocks, en, idx)
+			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx)
 		}()
 	}
 	wg.Wait()
@@ -97,9 +94,9 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	e.access(ctx, e.ix.UnpinLoad(order, loaded, e.cfg.Now().UnixNano()))
 }
 
-// loadFile reads the keys idx (request indices) from en's file into their
-// blocks and verifies them.
-func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, en *entry, idx []int) {
+// loadFile reads the layers lr of the keys idx (request indices) from en's
+// file into their blocks and verifies them.
+func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, en *entry, idx []int) {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	all := func(o Outcome, err error) {
 		for _, i := range idx {
@@ -186,7 +183,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		if len(read) == 0 {
 			return // nothing (more) asked of this file
 		}
-		if !e.loadRound(ctx, j, c, blocks, en, f, h, m, dst, read, corrupt) {
+		if !e.loadRound(ctx, j, c, blocks, lr, en, f, h, m, dst, read, corrupt) {
 			// The file was judged corrupt: later destinations fail alike,
 			// unread. A key that verified in this round loaded into
 			// this round's blocks only: its later destinations fail.
@@ -204,10 +201,16 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	}
 }
 
-// loadRound reads the file keys read of f into the blocks of the request
-// indices dst[k], verifies them and sets their outcomes. It reports false
-// if the file was found corrupt (the caller stops).
-func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, en *entry, f fsys.File, h *format.Header, m *mount, dst []int, read []int, corrupt func(error)) bool {
+// loadRound reads the layers lr of the file keys read of f into the
+// blocks of the request indices dst[k], verifies them and sets their
+// outcomes. It reports false if the file was found corrupt (the caller
+// stops).
+//
+// A key is verified by its layers' checksums where the file has them
+// (format.Header.LayerSums) and lr is not every layer: only lr's bytes
+// are read. Otherwise by the key's checksum, over the whole key: its
+// bytes not loaded (NoBlock blocks, layers outside lr) are read for it.
+func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, lr LayerRange, en *entry, f fsys.File, h *format.Header, m *mount, dst []int, read []int, corrupt func(error)) bool {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	want := make([]bool, len(h.Keys))
 	for _, k := range read {
@@ -220,8 +223,15 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return true
 	}
-	plan, sk := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m)
 	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums && mv.Checksums()
+	by := verifyNone
+	switch {
+	case check && !lr.all() && h.LayerSums != nil:
+		by = verifyLayers
+	case check:
+		by = verifyKeys
+	}
+	plan, sk := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m, lr, by)
 	var sums []uint32
 	if check {
 		sums = make([]uint32, plan.Sums)
@@ -229,8 +239,8 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	io := e.busy.io.Begin()
 	_, err = mv.ReadFile(ctx, f, plan, sums)
 	if err == nil && check {
-		// The bytes of blocks not loaded (NoBlock) still feed their
-		// keys' checksums, which cover whole keys.
+		// The bytes of blocks (or layers) not loaded still feed the
+		// checksums of the keys (or layers) they belong to.
 		err = sk.read(ctx, f, sums)
 	}
 	e.busy.io.End(io)
@@ -256,50 +266,46 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return false
 	}
 	var mismatched []bool // file key -> its checksum failed
-	var got []uint32      // file key -> its payload checksum, as loaded
-	if check {
-		got = make([]uint32, len(h.Keys))
-		for _, k := range read {
-			got[k] = sk.sum(k, sums)
-		}
-	}
+	var what []string     // file key -> what failed, as loaded
 	for _, k := range read {
-		if check && got[k] != h.Keys[k].Sum {
-			if mismatched == nil {
-				mismatched = make([]bool, len(h.Keys))
+		if check {
+			if layer, got, want, mis := sk.mismatch(h, k, sums); mis {
+				if mismatched == nil {
+					mismatched, what = make([]bool, len(h.Keys)), make([]string, len(h.Keys))
+				}
+				mismatched[k] = true
+				what[k] = fmt.Sprintf("payload checksum 0x%08x, want 0x%08x", got, want)
+				if layer >= 0 {
+					what[k] = fmt.Sprintf("layer %d checksum 0x%08x, want 0x%08x", layer, got, want)
+				}
+				continue
 			}
-			mismatched[k] = true
-			continue
 		}
 		set(dst[k], OutcomeLoaded, nil)
 		e.st.hits.Add(1)
 		e.st.loads.Add(1)
-		// The bytes read: a key's skipped blocks too where they were
-		// checksummed; the job's bytes are those it loaded.
-		loaded := h.KeyBytes()
-		if sk != nil {
-			loaded -= sk.skipped[k]
+		if by == verifyKeys && !lr.all() {
+			e.st.layersByKey.Add(1)
 		}
-		if check {
-			e.st.read.Add(uint64(h.KeyBytes()))
-		} else {
-			e.st.read.Add(uint64(loaded))
-		}
-		j.bytes.Add(loaded)
+		// The bytes read: those loaded, and those read only to verify
+		// the key; the job's bytes are those it loaded.
+		e.st.read.Add(uint64(sk.moved[k] + sk.skipped[k]))
+		j.bytes.Add(sk.moved[k])
 	}
 	if mismatched == nil {
 		return true
 	}
 	// The checksums were computed from the destination blocks, which the
 	// client can write: only a private re-read tells a corrupt file from
-	// blocks changed under the load.
+	// blocks changed under the load. It reads and checks whole keys (a
+	// key whose layer failed is corrupt if the key is).
 	private, err := recheck(ctx, f, h, mismatched)
 	bad := errors.Is(err, ErrCorrupt)
 	for k, mis := range mismatched {
 		switch {
 		case !mis:
 		case err != nil:
-			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.Path, k, got[k], h.Keys[k].Sum, err))
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: %s; re-reading: %w", en.Path, k, what[k], err))
 		case private[k] != h.Keys[k].Sum:
 			bad = true
 			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.Path, k, private[k], h.Keys[k].Sum))

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"slices"
 	"sync/atomic"
 
 	"github.com/kvhost/kvhost/fsys"
@@ -101,67 +100,91 @@ func (e *Engine) forget(id fsys.Identity) {
 	}
 }
 
-// plan builds the transfer plan of the keys want (nil: all) of a file with
-// header h: key k's blocks are the cache blocks blocks(k). Extents of one
-// region that are contiguous in both the file and the region, for one
-// checksum slot, are merged.
+// verify is how a plan's checksum slots verify the keys it reads.
+type verify uint8
+
+// How a plan verifies its keys.
+const (
+	// verifyNone: nothing is verified (the file has no payload sums, or
+	// the mover computes none); only the moved bytes are read.
+	verifyNone verify = iota
+	// verifyKeys: each key's checksum (format.Key.Sum) over the whole
+	// key: its bytes the plan does not move (NoBlock blocks, layers
+	// outside the range) are read for it (checks.read).
+	verifyKeys
+	// verifyLayers: one checksum per layer of the range of each key
+	// (format.Header.LayerSums): bytes of other layers are neither
+	// moved nor read; NoBlock blocks of the range's layers are read.
+	verifyLayers
+)
+
+// plan builds the transfer plan of the layers lr of the keys want (nil:
+// all) of a file with header h: key k's blocks are the cache blocks
+// blocks(k). Extents of one region that are contiguous in both the file
+// and the region, for one checksum slot, are merged.
 //
-// A block that is NoBlock (a load's) has no extent in the plan: no mover
-// writes into a cache block the request did not name. Its bytes are
-// returned in the skips (nil when no key has such a block), for the
-// engine to read and checksum itself (skips.read), and a key with such
-// blocks feeds one checksum slot per run of its payload that the plan
-// moves or skips, which skips.sum joins into the key's checksum.
-func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m *mount) (*transfer.Plan, *skips) {
+// Only the segments of the range's layers whose block is not NoBlock have
+// extents in the plan: no mover writes into a cache block, or a layer of
+// it, the request did not name. The checks say how the slots verify the
+// keys (by): each verified unit (a key, or a layer of a key) feeds one
+// checksum slot per run of its payload that the plan moves or leaves out,
+// which checks.sum joins into the unit's checksum. What a unit needs that
+// the plan does not move is in checks.reads, for the engine to read and
+// checksum itself (checks.read).
+func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m *mount, lr LayerRange, by verify) (*transfer.Plan, *checks) {
 	hl := int64(h.Len())
 	bb := int64(h.BlockBytes)
-	n := int(h.Layers * h.Planes * h.BlocksPerKey)
-	var sk *skips
+	first, count := lr.First, lr.Count
+	if lr.all() {
+		first, count = 0, int(h.Layers)
+	}
 	wanted := 0
 	for k := range h.Keys {
-		if want != nil && !want[k] {
-			continue
-		}
-		wanted++
-		if slices.Contains(blocks(k), NoBlock) {
-			if sk == nil {
-				sk = &skips{parts: make([][]part, len(h.Keys)), skipped: make([]int64, len(h.Keys))}
-			}
-			sk.parts[k] = []part{} // non-nil: the key skips blocks
+		if want == nil || want[k] {
+			wanted++
 		}
 	}
-	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n*wanted), Sums: len(h.Keys), Direct: m.direct, Memory: m.memory, Folio: m.folio}
+	ck := &checks{by: by, first: first, per: 1, moved: make([]int64, len(h.Keys)), skipped: make([]int64, len(h.Keys))}
+	if by == verifyLayers {
+		ck.per = count
+	}
+	ck.units = make([][]part, len(h.Keys)*ck.per)
+	n := count * int(h.Planes*h.BlocksPerKey)
+	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n*wanted), Direct: m.direct, Memory: m.memory, Folio: m.folio}
 	h.Walk(want, func(k, b, l, pl int, off int64) {
-		t := &c.layers[l]
 		blk := blocks(k)[b]
-		sum := k
-		if sk != nil && sk.parts[k] != nil {
-			// A key with skipped blocks: a new slot where its payload
-			// turns from moved to skipped bytes or back.
-			ps := sk.parts[k]
-			skip := blk == NoBlock
-			if len(ps) == 0 || ps[len(ps)-1].skip != skip {
-				ps = append(ps, part{slot: p.Sums, skip: skip})
-				p.Sums++
-			}
-			last := &ps[len(ps)-1]
-			last.n += bb
-			sk.parts[k] = ps
-			sum = last.slot
-			if skip {
-				sk.skipped[k] += bb
-				x := transfer.Extent{FileOff: hl + off, Len: bb, Sum: sum}
-				if i := len(sk.reads) - 1; i >= 0 {
-					prev := &sk.reads[i]
-					if prev.Sum == x.Sum && prev.FileOff+prev.Len == x.FileOff {
-						prev.Len += x.Len
-						return
-					}
-				}
-				sk.reads = append(sk.reads, x)
-				return
-			}
+		in := l >= first && l < first+count
+		skip := !in || blk == NoBlock
+		if skip && (by == verifyNone || by == verifyLayers && !in) {
+			return // neither moved nor verified
 		}
+		u := ck.unit(k, l)
+		// A new slot where the unit's payload turns from moved to
+		// skipped bytes or back.
+		ps := ck.units[u]
+		if len(ps) == 0 || ps[len(ps)-1].skip != skip {
+			ps = append(ps, part{slot: p.Sums, skip: skip})
+			p.Sums++
+		}
+		last := &ps[len(ps)-1]
+		last.n += bb
+		ck.units[u] = ps
+		sum := last.slot
+		if skip {
+			ck.skipped[k] += bb
+			x := transfer.Extent{FileOff: hl + off, Len: bb, Sum: sum}
+			if i := len(ck.reads) - 1; i >= 0 {
+				prev := &ck.reads[i]
+				if prev.Sum == x.Sum && prev.FileOff+prev.Len == x.FileOff {
+					prev.Len += x.Len
+					return
+				}
+			}
+			ck.reads = append(ck.reads, x)
+			return
+		}
+		ck.moved[k] += bb
+		t := &c.layers[l]
 		x := transfer.Extent{FileOff: hl + off, Region: t.Region, RegionOff: t.Offset + int64(pl)*t.PlaneStride + int64(blk)*t.BlockStride, Len: bb, Sum: sum}
 		if i := len(p.Extents) - 1; i >= 0 {
 			prev := &p.Extents[i]
@@ -172,25 +195,31 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m 
 		}
 		p.Extents = append(p.Extents, x)
 	})
-	return p, sk
+	return p, ck
 }
 
-// skips are the bytes a load plan leaves out (cache.plan): the NoBlock
-// blocks of its keys, which the engine reads only to verify the keys'
-// checksums.
-type skips struct {
+// checks are how a plan's checksum slots verify its keys (cache.plan):
+// the units verified (a key, or each layer of a key's range), the runs of
+// each unit's payload and their slots, and the bytes the plan leaves out
+// that the engine reads only to verify the units.
+type checks struct {
+	by    verify
+	first int // the range's first layer
+	per   int // units per file key: 1, or the range's layers (verifyLayers)
+	// units[u] are the runs of unit u's payload, in payload order, each
+	// feeding a slot of its own: unit k for file key k (verifyKeys,
+	// verifyNone), k·per + l - first for its layer l (verifyLayers).
+	// Empty for a key the plan does not read.
+	units [][]part
 	// reads are the skipped bytes' extents, by file offset: Region is
 	// nil, Sum the checksum slot they feed.
 	reads []transfer.Extent
-	// parts[k] are the runs of file key k's payload, in payload order,
-	// each feeding a slot of its own; nil for a key that skips nothing
-	// (its checksum is slot k).
-	parts [][]part
-	// skipped[k] is the payload bytes of file key k that are not loaded.
-	skipped []int64
+	// moved[k] is the payload bytes of file key k the plan moves;
+	// skipped[k] those it reads only to verify the key (checks.read).
+	moved, skipped []int64
 }
 
-// part is a run of n bytes of a key's payload, moved by the plan or
+// part is a run of n bytes of a unit's payload, moved by the plan or
 // skipped, whose CRC-32C (from 0) is checksum slot slot.
 type part struct {
 	slot int
@@ -198,18 +227,69 @@ type part struct {
 	skip bool
 }
 
-// sum returns file key k's payload checksum from the slots of its runs,
-// joined in payload order: the CRC-32C of a followed by b is a's shifted
-// past len(b) zero bytes xored with b's CRC from 0 (crc32c.Shift).
-func (s *skips) sum(k int, sums []uint32) uint32 {
-	if s == nil || s.parts[k] == nil {
-		return sums[k]
+// unit returns the unit of layer l of file key k.
+func (ck *checks) unit(k, l int) int {
+	if ck.by == verifyLayers {
+		return k*ck.per + l - ck.first
 	}
+	return k
+}
+
+// sum returns unit u's checksum from the slots of its runs, joined in
+// payload order: the CRC-32C of a followed by b is a's shifted past
+// len(b) zero bytes xored with b's CRC from 0 (crc32c.Shift).
+func (ck *checks) sum(u int, sums []uint32) uint32 {
 	var crc uint32
-	for _, pt := range s.parts[k] {
-		crc = crc32c.Shift(crc, pt.n) ^ sums[pt.slot]
+	for _, pt := range ck.units[u] {
+		if crc != 0 {
+			crc = crc32c.Shift(crc, pt.n)
+		}
+		crc ^= sums[pt.slot]
 	}
 	return crc
+}
+
+// mismatch compares the checksums of file key k's units with h's: it
+// returns the first unit's that differs (its layer, -1 for the whole key)
+// and whether one does.
+func (ck *checks) mismatch(h *format.Header, k int, sums []uint32) (layer int, got, want uint32, bad bool) {
+	for i := range ck.per {
+		u := k*ck.per + i
+		got = ck.sum(u, sums)
+		if ck.by == verifyLayers {
+			layer, want = ck.first+i, h.LayerSum(k, ck.first+i)
+		} else {
+			layer, want = -1, h.Keys[k].Sum
+		}
+		if got != want {
+			return layer, got, want, true
+		}
+	}
+	return 0, 0, 0, false
+}
+
+// stored sets the checksums of h's keys from a store's slots: with
+// verifyLayers (every layer), h.LayerSums, and each key's checksum joined
+// from its layers' (in the layer-major order a key's payload is its
+// layers in turn); with verifyKeys, each key's checksum.
+func (ck *checks) stored(h *format.Header, sums []uint32) {
+	if ck.by != verifyLayers {
+		for k := range h.Keys {
+			h.Keys[k].Sum = ck.sum(k, sums)
+		}
+		return
+	}
+	h.LayerSums = make([]uint32, len(h.Keys)*int(h.Layers))
+	n := h.LayerBytes()
+	for k := range h.Keys {
+		var crc uint32
+		for l := range int(h.Layers) {
+			s := ck.sum(ck.unit(k, l), sums)
+			h.LayerSums[k*int(h.Layers)+l] = s
+			crc = crc32c.Shift(crc, n) ^ s
+		}
+		h.Keys[k].Sum = crc
+	}
 }
 
 // read reads the skipped extents from f (on the engine's goroutine,
@@ -220,21 +300,21 @@ func (s *skips) sum(k int, sums []uint32) uint32 {
 // apart is not read (in the layer-major order a key's skipped blocks
 // lie a layer's worth of payload apart, a file's worth of keys apart
 // with several keys per file).
-func (s *skips) read(ctx context.Context, f fsys.File, sums []uint32) error {
-	if s == nil || len(s.reads) == 0 {
+func (ck *checks) read(ctx context.Context, f fsys.File, sums []uint32) error {
+	if len(ck.reads) == 0 {
 		return nil
 	}
 	const a = format.Align
 	// ends[i] is the aligned end of the run of touching spans that holds
 	// extent i.
-	ends := make([]int64, len(s.reads))
+	ends := make([]int64, len(ck.reads))
 	var widest int64
-	for i := 0; i < len(s.reads); {
-		start := s.reads[i].FileOff &^ (a - 1)
-		end := (s.reads[i].FileOff + s.reads[i].Len + a - 1) &^ (a - 1)
+	for i := 0; i < len(ck.reads); {
+		start := ck.reads[i].FileOff &^ (a - 1)
+		end := (ck.reads[i].FileOff + ck.reads[i].Len + a - 1) &^ (a - 1)
 		j := i + 1
-		for ; j < len(s.reads) && s.reads[j].FileOff&^(a-1) <= end; j++ {
-			end = max(end, (s.reads[j].FileOff+s.reads[j].Len+a-1)&^(a-1))
+		for ; j < len(ck.reads) && ck.reads[j].FileOff&^(a-1) <= end; j++ {
+			end = max(end, (ck.reads[j].FileOff+ck.reads[j].Len+a-1)&^(a-1))
 		}
 		for k := i; k < j; k++ {
 			ends[k] = end
@@ -244,7 +324,7 @@ func (s *skips) read(ctx context.Context, f fsys.File, sums []uint32) error {
 	}
 	buf := fsys.AlignedBuffer(int(min(recheckChunk, widest)))
 	var at, n int64 // buf holds the file's bytes [at, at+n)
-	for i, x := range s.reads {
+	for i, x := range ck.reads {
 		for pos, end := x.FileOff, x.FileOff+x.Len; pos < end; {
 			if pos < at || pos >= at+n {
 				if err := ctx.Err(); err != nil {

@@ -318,7 +318,7 @@ func TestLoadRequestNoBlock(t *testing.T) {
 }
 
 // TestSkipsSumJoinsRuns: the checksum joined from the runs of a key's
-// payload (skips.sum) is the CRC-32C of the whole payload, for runs of
+// payload (checks.sum) is the CRC-32C of the whole payload, for runs of
 // any lengths, empty ones among them.
 func TestSkipsSumJoinsRuns(t *testing.T) {
 	r := rand.New(rand.NewPCG(5, 6))
@@ -329,11 +329,11 @@ func TestSkipsSumJoinsRuns(t *testing.T) {
 	for _, cuts := range [][]int{{}, {1}, {4096}, {0, 100}, {3, 4, 5, 60000}, {12288, 12288, 20480}} {
 		t.Run(fmt.Sprint(cuts), func(t *testing.T) {
 			bounds := append(append([]int{0}, cuts...), len(data))
-			s := &skips{parts: [][]part{{}}}
+			s := &checks{units: [][]part{{}}}
 			var sums []uint32
 			for i := range len(bounds) - 1 {
 				piece := data[bounds[i]:bounds[i+1]]
-				s.parts[0] = append(s.parts[0], part{slot: len(sums), n: int64(len(piece)), skip: i%2 == 1})
+				s.units[0] = append(s.units[0], part{slot: len(sums), n: int64(len(piece)), skip: i%2 == 1})
 				sums = append(sums, crc32c.Checksum(piece))
 			}
 			if got, want := s.sum(0, sums), crc32c.Checksum(data); got != want {
@@ -356,7 +356,7 @@ func (f *countingFile) ReadAt(p []byte, off int64) (int, error) {
 }
 
 // TestSkipsReadReadsOnlyTheBlocksLeftOut: the engine's read of the blocks
-// a load leaves out (skips.read) reads their bytes, to the 4 KiB blocks
+// a load leaves out (checks.read) reads their bytes, to the 4 KiB blocks
 // that hold them, and not the file between them: in the layer-major
 // order a key's skipped blocks lie one per layer and plane, a layer's
 // worth of the file apart (a file's worth of keys apart with several
@@ -404,7 +404,7 @@ func TestSkipsReadReadsOnlyTheBlocksLeftOut(t *testing.T) {
 				blocks[0] = NoBlock
 				want := make([]bool, len(h.Keys))
 				want[0] = true
-				plan, sk := e.tables.cache(tc.id).plan(h, want, func(int) []int { return blocks }, e.mounts[0])
+				plan, sk := e.tables.cache(tc.id).plan(h, want, func(int) []int { return blocks }, e.mounts[0], LayerRange{}, verifyKeys)
 				f, err := fsys.OS{}.OpenFile(files[0], os.O_RDONLY, 0)
 				if err != nil {
 					t.Fatal(err)
@@ -430,11 +430,11 @@ func TestSkipsReadReadsOnlyTheBlocksLeftOut(t *testing.T) {
 						return
 					}
 					at := int64(h.Len()) + off
-					slot := sk.parts[k][run].slot
+					slot := sk.units[k][run].slot
 					wantSums[slot] = crc32c.Update(wantSums[slot], raw[at:at+int64(h.BlockBytes)])
 					limit += (at+int64(h.BlockBytes)+format.Align-1)&^(format.Align-1) - at&^(format.Align-1)
 				})
-				for _, pt := range sk.parts[0] {
+				for _, pt := range sk.units[0] {
 					if pt.skip && sums[pt.slot] != wantSums[pt.slot] {
 						t.Errorf("slot %d: checksum 0x%08x, want 0x%08x", pt.slot, sums[pt.slot], wantSums[pt.slot])
 					}

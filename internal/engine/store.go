@@ -439,7 +439,15 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if !mv.Checksums() {
 		h.Flags &^= format.FlagPayloadSums // the file records it
 	}
-	plan, _ := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m) // a store skips no block (request)
+	h.LayerSums = nil // set with the payload sums, below
+	// A store skips no block (request). Its checksums are per layer of
+	// each key where the file will hold them (layer-major files whose
+	// table fits the header area), the keys' joined from them.
+	by := verifyKeys
+	if h.Flags&format.FlagPayloadSums != 0 && h.Order == format.OrderLayerMajor && !h.Raw && h.LayerSumsFit() {
+		by = verifyLayers
+	}
+	plan, ck := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m, LayerRange{}, by)
 
 	dir := filepath.Dir(gr.path)
 	extra := 0
@@ -460,7 +468,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}()
 	var sums []uint32
 	if h.Flags&format.FlagPayloadSums != 0 {
-		sums = make([]uint32, len(h.Keys))
+		sums = make([]uint32, plan.Sums)
 	}
 	io := e.busy.io.Begin()
 	_, err = mv.WriteFile(ctx, f, plan, sums)
@@ -474,10 +482,8 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 			return published, ioError(m, "write padding", err)
 		}
 	}
-	for k := range h.Keys {
-		if sums != nil {
-			h.Keys[k].Sum = sums[k]
-		}
+	if sums != nil {
+		ck.stored(h, sums)
 	}
 	if !h.Raw { // a vllm-fs row has no header, hence no file id
 		h.ID = fileID(e.mounts)
