@@ -398,6 +398,28 @@ class DaemonTest(unittest.TestCase):
         sched.update_connector_output(NS(kv_connector_worker_meta=wm, finished_sending=sending))
         self.assertEqual(sched.counters()["pinned_steps"], 0)
 
+    def test_stores_go_once_the_gpu_passed_the_forward_and_hold_the_blocks_until_then(self):
+        sched, worker, _ = self.pair()
+        gate = threading.Event()
+        mark = NS(synchronize=gate.wait)  # a CUDA event the GPU has not passed yet
+        worker._worker._mark = lambda: mark
+        nblk = 2 * BPC + 1
+        req = Request("a", "p7", nblk)
+        ids = list(range(1, 1 + nblk))
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        sched.update_state_after_alloc(req, ids, 0)
+        self.step(sched, worker, new_output(req, ids, 0, req.num_tokens))
+        self.assertEqual(sched.request_finished(req, ids), (True, None))
+        sending, _ = self.step(sched, worker, empty_output(), {"a"})
+        self.assertEqual(sending, set())  # not sent: vLLM must keep the blocks
+        self.assertEqual(worker.counters()["stores_unsent"], 1)
+        gate.set()
+        sent = set()
+        d.wait_for(lambda: sent.update(self.step(sched, worker, empty_output())[0]) or "a" in sent,
+                   what="a's stores")
+        self.assertEqual(worker.counters()["stored_keys"], 2)
+        self.assertEqual(sched._scheduler.hit_tokens(Request("b", "p7", nblk), 0), 2 * CHUNK)
+
     def test_a_corrupted_file_comes_back_as_load_errors_never_as_loaded_bytes(self):
         sched, worker, kv = self.pair(load_split="all")
         nblk = 2 * BPC + 1

@@ -606,6 +606,9 @@ class ConnectorWorker(_Half):
         self._saving = set()                           # req ids with a save sent (get_finished reports them)
         self._measured = [0, 0.0]                      # bytes, seconds of loads since the last worker meta
         self._done_steps = []                          # steps whose loads ended since the last worker meta
+        self._outbox = collections.deque()             # (CUDA mark, saves) the sender thread sends in order
+        self._unsent = collections.Counter()           # req id -> batches of its saves not sent yet
+        self._sender = None
         self._stats = collections.Counter()
         self._layer_loads = None
         self.namespace = geometry(ident, self.shard).model
@@ -841,9 +844,11 @@ class ConnectorWorker(_Half):
     # -- saves -----------------------------------------------------------------
 
     def start_saves(self, meta):
-        """Submits store jobs for meta.saves (without waiting for them):
-        whole keys, read from the blocks once the forward pass that wrote
-        them has run on the GPU."""
+        """Submits store jobs for meta.saves without waiting for them: whole
+        keys, read from the blocks once the forward pass that wrote them has
+        run. With CUDA KV caches the stores are marked on vLLM's stream here
+        and sent by the worker's sender thread once the GPU has passed the
+        mark (vLLM's thread goes on); host memory's are sent at once."""
         saves = [t for t in getattr(meta, "saves", ()) if t.keys]
         if not saves:
             return
@@ -853,7 +858,60 @@ class ConnectorWorker(_Half):
         if self._client is None or self._broken is not None:
             self._stats["store_skipped_keys"] += sum(len(t.keys) for t in saves)
             return
-        self._fence()
+        mark = self._mark()
+        if mark is None:
+            self._send_saves(saves)
+            return
+        with self._cv:
+            for t in saves:
+                self._unsent[t.req_id] += 1
+            self._outbox.append((mark, saves))
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, name=f"kvhost-{self._what}-stores",
+                                                daemon=True)
+                self._sender.start()
+            self._cv.notify_all()
+
+    def _mark(self):
+        """For CUDA KV caches, an event recorded on vLLM's current stream
+        (its synchronize() returns once the work queued so far has run);
+        None for host memory."""
+        cuda = [t for t in self._tensors if getattr(t, "is_cuda", False)]
+        if not cuda:
+            return None
+        import torch
+        ev = torch.cuda.Event(blocking=True)  # the waiting thread sleeps instead of spinning
+        ev.record(torch.cuda.current_stream(cuda[0].device))
+        return ev
+
+    def _send_loop(self):
+        """The sender thread: sends each marked batch of stores, in order,
+        once the GPU has passed its mark; ends once closing with nothing
+        left to send."""
+        while True:
+            with self._cv:
+                while not self._outbox and not self._closing:
+                    self._cv.wait()
+                if not self._outbox:
+                    return
+                mark, saves = self._outbox[0]
+            try:
+                mark.synchronize()
+                self._send_saves(saves)
+            except Exception as e:  # a CUDA error: these keys are not stored
+                log.error("kvhost connector: stores not sent: %s", e)
+                with self._lock:
+                    self._stats["store_skipped_keys"] += sum(len(t.keys) for t in saves)
+            finally:
+                with self._cv:
+                    self._outbox.popleft()
+                    for t in saves:
+                        self._unsent[t.req_id] -= 1
+                        if self._unsent[t.req_id] <= 0:
+                            del self._unsent[t.req_id]
+                    self._cv.notify_all()
+
+    def _send_saves(self, saves):
         client = self._client
         for t in saves:
             for i in range(0, len(t.keys), p.MAX_KEYS_PER_REQUEST):
@@ -861,20 +919,25 @@ class ConnectorWorker(_Half):
                 try:
                     job = client.store(self._cache, t.keys[sl], t.blocks[sl], block=False)
                 except (KvhostError, ConnectionLost, OSError, ValueError) as e:
-                    self._stats["store_failed_keys"] += len(t.keys[sl])
                     log.warning("kvhost connector: store: %s", e)
-                    if lost_connection(e, client):
-                        with self._cv:
+                    with self._cv:
+                        self._stats["store_failed_keys"] += len(t.keys[sl])
+                        if lost_connection(e, client):
                             self._lost_locked(client, reason(e))
                     continue
-                self._stores[t.req_id].append(job)
-                self._stats["store_jobs"] += 1
-                self._stats["store_keys"] += len(t.keys[sl])
+                with self._lock:
+                    self._stores[t.req_id].append(job)
+                    self._stats["store_jobs"] += 1
+                    self._stats["store_keys"] += len(t.keys[sl])
 
     def _settle_stores(self, req_id, wait):
-        """Drops req_id's finished store jobs (waiting for them all with
-        wait); True when none is left in flight."""
-        jobs = self._stores.get(req_id, [])
+        """Drops req_id's finished store jobs (with wait, waiting for its
+        stores to be sent and for every one to end); True when none is left
+        to send or in flight."""
+        with self._cv:
+            while wait and self._unsent.get(req_id):
+                self._cv.wait()
+            jobs = self._stores.pop(req_id, [])
         left = []
         for job in jobs:
             if not job.done() and not wait:
@@ -883,21 +946,22 @@ class ConnectorWorker(_Half):
             try:
                 r = wait_ended(job, self._opts["job_timeout_s"] or None, lambda: None,
                                f"connector: store job of {req_id}")
-                self._stats["stored_keys"] += r.count(p.OUTCOME_STORED)
-                self._stats["present_keys"] += r.count(p.OUTCOME_PRESENT)
-                self._stats["bytes_stored"] += r.bytes
+                with self._lock:
+                    self._stats["stored_keys"] += r.count(p.OUTCOME_STORED)
+                    self._stats["present_keys"] += r.count(p.OUTCOME_PRESENT)
+                    self._stats["bytes_stored"] += r.bytes
             except Exception as e:  # the keys are not stored: later lookups miss
-                self._stats["store_failed_jobs"] += 1
+                with self._lock:
+                    self._stats["store_failed_jobs"] += 1
                 log.debug("kvhost connector: store job of %s: %s", req_id, e)
-        if left:
-            self._stores[req_id] = left
-        else:
-            self._stores.pop(req_id, None)
-        return not left
+        with self._lock:
+            if left:
+                self._stores[req_id] = left + self._stores.get(req_id, [])
+            return req_id not in self._stores and not self._unsent.get(req_id)
 
     def wait_stores(self, req_ids):
-        """Waits for the store jobs of req_ids (preempted requests: vLLM
-        frees their blocks next)."""
+        """Waits for the stores of req_ids to be sent and to end (preempted
+        requests: vLLM frees their blocks next)."""
         for rid in req_ids:
             self._settle_stores(rid, True)
 
@@ -910,7 +974,9 @@ class ConnectorWorker(_Half):
         done = {rid for rid in list(self._finishing) if self._settle_stores(rid, False)}
         self._finishing -= done
         self._saving -= done
-        for rid in [r for r in self._stores if r not in self._finishing]:
+        with self._lock:
+            others = [r for r in self._stores if r not in self._finishing]
+        for rid in others:
             self._settle_stores(rid, False)
         return done
 
@@ -930,7 +996,9 @@ class ConnectorWorker(_Half):
     def counters(self):
         """The worker's counters since it started (for tests and tools)."""
         s = dict(self._stats)
-        s["stores_in_flight"] = sum(len(j) for j in self._stores.values())
+        with self._lock:
+            s["stores_in_flight"] = sum(len(j) for j in self._stores.values())
+            s["stores_unsent"] = sum(self._unsent.values())
         s["layer_loads"] = bool(self._client is not None and self.layer_loads())
         return s
 
@@ -938,8 +1006,12 @@ class ConnectorWorker(_Half):
         """Waits for the stores in flight (job_timeout_s each), then closes
         the connection. Idempotent."""
         self.finish_loads()
-        self.wait_stores(list(self._stores))
+        with self._lock:
+            pending = set(self._stores) | set(self._unsent)
+        self.wait_stores(pending)
         self._close()
+        if self._sender is not None:
+            self._sender.join()
 
 
 # -- the connector ------------------------------------------------------------------
