@@ -1,8 +1,10 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"math/rand/v2"
 	"strings"
 	"testing"
 
@@ -85,5 +87,84 @@ func TestLoadLayersRefusals(t *testing.T) {
 	raw.send(20, &protocol.StatsRequest{})
 	if _, m, err := raw.recv(); err != nil || m.Type() != protocol.TypeStats|protocol.TypeReply {
 		t.Fatalf("stats after the refusals: %#v, %v", m, err)
+	}
+}
+
+// TestLoadLayersLoadsOnlyThoseLayers: a LoadLayers through the socket
+// writes the named layers of the named blocks with the stored bytes, and
+// no other byte of the cache; NoBlock leaves a block out as in a Load;
+// count 0 loads every layer. The completion counts the bytes loaded.
+func TestLoadLayersLoadsOnlyThoseLayers(t *testing.T) {
+	f := newFixture(t, server.Config{})
+	c := f.dial(t)
+	g := geo
+	g.Model, g.Layers = "layers", 4
+	bb := g.BlockBytes()
+	mem, rid := registerMemfd(t, c, "layers", int64(g.Layers)*2*numBlocks*bb)
+	_, id, err := registerCache(t, c, g, planesFirst(rid, numBlocks, bb))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	buf := mem.Bytes()
+	rng := rand.New(rand.NewPCG(8, 4))
+	for i := range buf {
+		buf[i] = byte(rng.UintN(256))
+	}
+	stored := bytes.Clone(buf)
+	keys := [][]byte{[]byte("a"), []byte("b")}
+	job, err := c.Store(ctx, id, keys, [][]uint32{{0, 1}, {2, 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := job.Wait(ctx); err != nil || res.Count(client.OutcomeStored) != 2 {
+		t.Fatalf("store: %+v %v", res, err)
+	}
+	// at is the offset of layer l, plane p, block b of the cache.
+	at := func(l, p int, b uint32) int64 {
+		return int64(l)*2*numBlocks*bb + int64(p)*numBlocks*bb + int64(b)*bb
+	}
+	for _, tc := range []struct {
+		name         string
+		first, count int
+		blocks       [][]uint32
+		from         map[uint32]uint32 // loaded block -> the stored block whose bytes it gets
+	}{
+		{"layers 1 and 2", 1, 2, [][]uint32{{10, 11}, {12, 13}}, map[uint32]uint32{10: 0, 11: 1, 12: 2, 13: 3}},
+		{"the last layer, from inside a key", 3, 1, [][]uint32{{client.NoBlock, 14}, {15, 16}}, map[uint32]uint32{14: 1, 15: 2, 16: 3}},
+		{"the first layer, ending inside a key", 0, 1, [][]uint32{{17, 18}, {19, client.NoBlock}}, map[uint32]uint32{17: 0, 18: 1, 19: 2}},
+		{"count 0: every layer", 0, 0, [][]uint32{{20, 21}, {22, 23}}, map[uint32]uint32{20: 0, 21: 1, 22: 2, 23: 3}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for i := range buf {
+				buf[i] = 0xC3
+			}
+			want := bytes.Clone(buf)
+			layers := tc.count
+			if layers == 0 {
+				layers = int(g.Layers)
+			}
+			for to, from := range tc.from {
+				for l := tc.first; l < tc.first+layers; l++ {
+					for p := range 2 {
+						copy(want[at(l, p, to):at(l, p, to)+bb], stored[at(l, p, from):at(l, p, from)+bb])
+					}
+				}
+			}
+			job, err := c.LoadLayers(ctx, id, keys, tc.blocks, tc.first, tc.count)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := job.Wait(ctx)
+			if err != nil || res.Count(client.OutcomeLoaded) != 2 {
+				t.Fatalf("load: %+v %v", res, err)
+			}
+			if n := int64(len(tc.from)) * int64(layers) * 2 * bb; res.Bytes != n {
+				t.Fatalf("the completion says %d bytes, want the %d of the layers and blocks loaded", res.Bytes, n)
+			}
+			if !bytes.Equal(buf, want) {
+				t.Fatal("the cache's bytes are not the named layers of the named blocks loaded and the rest untouched")
+			}
+		})
 	}
 }

@@ -51,6 +51,46 @@ class TestLayerLoadsOnARealDaemon(unittest.TestCase):
         self.assertEqual(c.limits["version"], 2)
         self.assertTrue(c.supports_layer_loads)
 
+    def test_a_layer_range_load_fills_only_those_layers_of_its_blocks(self):
+        c, cache, buf = layer_cache(self)
+        v = buf.view
+        v[:] = bytes(random.Random(84).randrange(256) for _ in range(len(v)))
+        stored = bytes(v)
+        self.assertEqual(c.store(cache, [b"lk"], [[0, 1]]).wait(30).outcomes(), ["stored"])
+        v[:] = b"\xa5" * len(v)
+        want = bytearray(v)
+        for layer in (1, 2):
+            for src, dst in ((0, 4), (1, 5)):
+                want[block_span(layer, dst)] = stored[block_span(layer, src)]
+        res = c.load(cache, [b"lk"], [[4, 5]], layers=(1, 2)).wait(30)
+        self.assertEqual(res.outcomes(), ["loaded"], res.message)
+        self.assertEqual(res.bytes, 2 * 2 * PAGE, "the bytes of 2 layers of 2 blocks")
+        self.assertEqual(bytes(v), bytes(want), "bytes outside layers 1-2 of blocks 4-5 changed, or those not loaded")
+        # count 0 is every layer; block=False as for a load.
+        res = c.load(cache, [b"lk"], [[6, 7]], block=False, layers=(0, 0)).wait(30)
+        self.assertEqual((res.outcomes(), res.bytes), (["loaded"], LAYERS * 2 * PAGE))
+        for layer in range(LAYERS):
+            self.assertEqual(bytes(v[block_span(layer, 6)]), stored[block_span(layer, 0)], f"layer {layer}")
+
+    def test_one_job_per_layer_sent_at_once_fills_every_layer(self):
+        # As a layer-wise connector loads: every layer's job sent before
+        # the first is waited for, into the same blocks.
+        c, cache, buf = layer_cache(self)
+        v = buf.view
+        v[:] = bytes(random.Random(85).randrange(256) for _ in range(len(v)))
+        stored = bytes(v)
+        self.assertEqual(c.store(cache, [b"k0", b"k1"], [[0, 1], [2, 3]]).wait(30).outcomes(), ["stored"] * 2)
+        v[:] = b"\x5a" * len(v)
+        jobs = [c.load(cache, [b"k0", b"k1"], [[4, 5], [6, 7]], block=False, layers=(layer, 1))
+                for layer in range(LAYERS)]
+        for layer, job in enumerate(jobs):
+            res = job.wait(30)
+            self.assertEqual((res.outcomes(), res.bytes), (["loaded"] * 2, 4 * PAGE), f"layer {layer}")
+            for src, dst in ((0, 4), (1, 5), (2, 6), (3, 7)):
+                self.assertEqual(bytes(v[block_span(layer, dst)]), stored[block_span(layer, src)],
+                                 f"layer {layer} block {dst}")
+            self.assertEqual(bytes(v[block_span(layer, 0)]), b"\x5a" * PAGE, "a block not named was written")
+
     def test_a_range_past_the_namespaces_layers_is_refused_naming_it_and_the_connection_goes_on(self):
         c, cache, _ = layer_cache(self)
         for layers in [(3, 2), (LAYERS, 1), (0, LAYERS + 1)]:
