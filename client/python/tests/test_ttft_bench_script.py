@@ -67,6 +67,9 @@ class TestTtftBenchScript(unittest.TestCase):
             self.assertEqual(len(m["reps_ms"]), 2, mode)
             self.assertEqual(m["errors"], [], mode)
         self.assertEqual(size["modes"]["whole"]["loaded_tokens"], 64)
+        self.assertEqual(size["modes"]["layerwise"]["loaded_tokens"], 64)
+        self.assertTrue(data["layer_loads"], "the connector loaded no layer range")
+        self.assertEqual(len(size["modes"]["layerwise"]["layer_ready_ms"]), 2)  # one wait per layer
         self.assertIn(size["modes"]["split"]["loaded_tokens"], (0, 32, 64))
         self.assertIn("split/recompute", size["ratios"])
         self.assertEqual(data["machine"]["device"], "cpu")
