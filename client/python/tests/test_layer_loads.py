@@ -45,6 +45,25 @@ def block_span(layer, block):
     return slice(start, start + PAGE)
 
 
+class TestLayerRangeEncoding(unittest.TestCase):
+    def test_a_load_layers_body_is_the_load_body_then_first_and_count(self):
+        load = p.transfer(3, [b"k"], [[1, p.NO_BLOCK]], load=True)
+        self.assertEqual(load + p.layer_range((2, 5)), load + struct.pack("<II", 2, 5))
+        self.assertEqual(p.layer_range((0, 0)), bytes(8), "count 0 (every layer) with first 0")
+        self.assertEqual(p.layer_range((p.MAX_LAYERS - 1, 1)), struct.pack("<II", p.MAX_LAYERS - 1, 1))
+
+    def test_a_version_2_welcome_carries_the_features_after_the_server_name(self):
+        fixed = struct.pack("<HH7I", 2, 0, 1 << 20, 64, 256, 16, 16, 4096, 64) + b"\x03new"
+        for tail, features in [(struct.pack("<Q", p.FEATURE_LAYER_LOADS | 1 << 9) + b"later", 0x201), (b"", 0)]:
+            with self.subTest(tail=tail):
+                w = p.decode_welcome(fixed + tail)
+                self.assertEqual((w["version"], w["server"], w["features"]), (2, "new", features))
+        w = p.decode_welcome(struct.pack("<HH7I", 1, 0, 1 << 20, 64, 256, 16, 16, 4096, 64) + b"\x03old")
+        self.assertEqual((w["version"], w["features"]), (1, 0), "a version-1 Welcome, to a version-2 Hello")
+        with self.assertRaisesRegex(p.ProtocolError, "version 2; this client speaks version 1"):
+            p.decode_welcome(fixed, version=1)
+
+
 class TestLayerLoadsOnARealDaemon(unittest.TestCase):
     def test_the_daemon_announces_layer_loads_in_a_version_2_welcome(self):
         c, _, _ = layer_cache(self)
