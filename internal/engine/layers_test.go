@@ -12,6 +12,8 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // layerFixture is an engine on one mount (dir) with smallGeometry(true)
@@ -342,4 +344,109 @@ func TestLoadLayerRangeOnVLLMFSMount(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLoadLayerRangeThroughADeviceMover: a mover of another region kind
+// (cuFile's place) is handed only the range's layers of the blocks a load
+// names: the device's other layers keep their bytes. Its files have no
+// payload sums (the mover computes none): nothing else is read.
+func TestLoadLayerRangeThroughADeviceMover(t *testing.T) {
+	ctx := context.Background()
+	const nb = 16
+	keys := testKeys("devlr", 1)
+	e, g, cid, dev, stored := storedOnFakeDevice(t, 1, 78, nb, keys, [][]int{{0, 1, 2, 3}})
+	bb := g.BlockBytes()
+	for i := range dev.mem {
+		dev.mem[i] = 0x5A
+	}
+	want := bytes.Clone(dev.mem)
+	into := []int{10, 11, NoBlock, 12}
+	lr := LayerRange{First: 2, Count: 2}
+	for b, dst := range into {
+		if dst == NoBlock {
+			continue
+		}
+		for l := lr.First; l < lr.First+lr.Count; l++ {
+			for p := range 2 {
+				from := int64(l)*2*nb*bb + int64(p)*nb*bb + int64(b)*bb
+				to := int64(l)*2*nb*bb + int64(p)*nb*bb + int64(dst)*bb
+				copy(want[to:to+bb], stored[from:from+bb])
+			}
+		}
+	}
+	read := e.Stats().BytesRead
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: cid, Keys: keys, Blocks: [][]int{into}, Layers: lr}))
+	wantOutcomes(t, "load", res, OutcomeLoaded)
+	if i := firstDiff(dev.mem, want); i >= 0 {
+		t.Fatalf("device byte %d is 0x%02x, want 0x%02x", i, dev.mem[i], want[i])
+	}
+	moved := 3 * int64(lr.Count) * 2 * bb
+	if res.Bytes != moved || e.Stats().BytesRead-read != uint64(moved) {
+		t.Fatalf("the job reports %d bytes, the engine read %d: want %d (3 blocks of 2 layers)", res.Bytes, e.Stats().BytesRead-read, moved)
+	}
+}
+
+// TestStoreLeavesOutLayerSumsThatDoNotFit: a layer-major file of 50 keys
+// of 4 layers has no room for their layer sums in its 4096-byte header
+// area (the engine never enlarges it): it is written without them, and a
+// layer range load of its keys verifies them through their whole keys.
+func TestStoreLeavesOutLayerSumsThatDoNotFit(t *testing.T) {
+	const n = 50
+	ctx := context.Background()
+	dir := t.TempDir()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(n, abi.OrderLayerMajor)})
+	g := smallGeometry(true)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bpk := g.BlocksPerKey()
+	c := newTestCache(t, e, ns, g, 2*n*bpk, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(11, 12))
+	keys, src, dst := testKeys("many", n), blockLists(r, n, bpk, 0), blockLists(r, n, bpk, n*bpk)
+	for _, bs := range src {
+		c.fill(r, bs)
+	}
+	storeAndCheck(t, e, c, keys, src)
+	files := dataFiles(t, dir)
+	if len(files) != 1 {
+		t.Fatalf("files %v, want one", files)
+	}
+	if h := decodeFile(t, files[0]); h.Len() != format.Align || h.LayerSumsFit() || h.LayerSums != nil {
+		t.Fatalf("header area %d bytes, layer sums fit %v, layer sums %v: want 4096 bytes without them", h.Len(), h.LayerSumsFit(), h.LayerSums)
+	}
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: dst, Layers: LayerRange{First: 3, Count: 1}}))
+	wantOutcomes(t, "load", res, OutcomeLoaded)
+	if got := e.Stats().LayerLoadsByKey; got != n {
+		t.Fatalf("LayerLoadsByKey %d, want %d", got, n)
+	}
+	for i := range keys {
+		if got, want := c.block(3, 1, dst[i][2]), c.block(3, 1, src[i][2]); !bytes.Equal(got, want) {
+			t.Fatalf("key %d: layer 3 of its block 2 differs from the stored one", i)
+		}
+	}
+}
+
+// storedOnFakeDevice opens an engine whose mount moves device memory with
+// a fakeMover (kpf keys per file, layer-major), registers a fake device
+// cache of nb blocks of smallGeometry(true) filled with random bytes, and
+// stores keys from blocks. It returns the device's bytes as stored.
+func storedOnFakeDevice(t *testing.T, kpf uint32, id uint64, nb int, keys [][]byte, blocks [][]int) (*Engine, Geometry, CacheID, *fakeDevice, []byte) {
+	t.Helper()
+	mv := &fakeMover{}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(kpf, abi.OrderLayerMajor),
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cid, dev := registerFakeDevice(t, e, ns, g, id, nb)
+	r := rand.New(rand.NewPCG(id, id))
+	for i := range dev.mem {
+		dev.mem[i] = byte(r.Uint32())
+	}
+	stored := bytes.Clone(dev.mem)
+	wantOutcomes(t, "store", wait(t)(e.Store(context.Background(), StoreRequest{Cache: cid, Keys: keys, Blocks: blocks})), OutcomeStored)
+	return e, g, cid, dev, stored
 }

@@ -15,8 +15,6 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
 )
 
 // noBlockCases are loads of 3 stored keys of 4 blocks each (keys 0, 1, 2
@@ -222,24 +220,10 @@ func TestLoadWithNoBlockVerifiesTheWholeKey(t *testing.T) {
 // key's; its plans name no skipped block.
 func TestLoadWithNoBlockThroughADeviceMover(t *testing.T) {
 	ctx := context.Background()
-	mv := &fakeMover{}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(2, abi.OrderLayerMajor),
-		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
-	g := smallGeometry(true)
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
 	const nb = 24
-	bb := g.BlockBytes()
-	cid, dev := registerFakeDevice(t, e, ns, g, 77, nb)
-	r := rand.New(rand.NewPCG(3, 4))
-	for i := range dev.mem {
-		dev.mem[i] = byte(r.Uint32())
-	}
 	keys := testKeys("dev", 2)
-	stored := bytes.Clone(dev.mem)
-	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}}})), OutcomeStored)
+	e, g, cid, dev, stored := storedOnFakeDevice(t, 2, 77, nb, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
+	bb := g.BlockBytes()
 	for i := range dev.mem {
 		dev.mem[i] = 0x5A
 	}
