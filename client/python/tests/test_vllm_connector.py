@@ -67,31 +67,37 @@ def flip_byte(path, at):
         os.close(fd)
 
 
-def layer_caches(torch, closers, seed, nblocks=NBLOCKS, planes=False):
+def layer_caches(torch, closers, seed, nblocks=NBLOCKS, planes=False, cuda=False):
     """{layer name: tensor}: per-layer KV caches in FlashAttention's shape
     of vLLM's trees, (nblocks, heads, block, 2 * head) bf16, or with planes
     (2, nblocks, block, heads, head), in shared memory (closed by
-    closers), filled with random bits from seed."""
+    closers) or on the GPU (cuda), filled with random bits from seed."""
     kv = {}
     shape = (2, nblocks, BLOCK, HEADS, HEAD) if planes else (nblocks, HEADS, BLOCK, 2 * HEAD)
     for i, n in enumerate(NAMES):
-        t, buf = kvhost.torch_host_tensor(shape, torch.bfloat16, name="connector-test")
-        closers.append(buf.close)
+        if cuda:
+            t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        else:
+            t, buf = kvhost.torch_host_tensor(shape, torch.bfloat16, name="connector-test")
+            closers.append(buf.close)
         t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=torch.Generator().manual_seed(seed + i),
-                                                dtype=torch.int16))
+                                                dtype=torch.int16).to(t.device))
         kv[n] = t
     return kv
 
 
-def worker_step(worker, meta, finished):
+def worker_step(worker, meta, finished, forward=None):
     """A worker's step in vLLM's order (the model runner's and the attention
-    layers' calls): (finished sending, load error block ids, worker meta)."""
+    layers' calls; forward(), where given, after the last layer):
+    (finished sending, load error block ids, worker meta)."""
     worker.handle_preemptions(meta)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     for n in NAMES:
         worker.wait_for_layer_load(n)
         worker.save_kv_layer(n, None, None)
+    if forward is not None:
+        forward()
     worker.wait_for_save()
     sending, _ = worker.get_finished(set(finished))
     errors = worker.get_block_ids_with_load_errors()
@@ -458,6 +464,83 @@ class DaemonTest(unittest.TestCase):
 
     def test_the_connector_asks_for_piecewise_cuda_graphs(self):
         self.assertTrue(self.Connector.requires_piecewise_for_cudagraph({}))
+
+
+def _cuda():
+    """Why the GPU tests cannot run here (None where they can)."""
+    if not HAVE_TORCH:
+        return "needs torch with CUDA"
+    import torch
+    return None if torch.cuda.is_available() else "needs a CUDA GPU"
+
+
+NO_GPU = _cuda()
+
+
+@unittest.skipUnless(NO_GPU is None, NO_GPU or "")
+class GpuTest(DaemonTest):
+    """The same with CUDA KV caches, registered by CUDA IPC with a daemon
+    serving GPU memory (a kvhost built with cgo: $KVHOST_BIN)."""
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+        cls.torch = torch
+        cls.daemon = d.Daemon(capacity="4GiB", extra_toml='[gpu]\nmode = "on"\n')
+        cls.Connector = C.connector_class(NS(KVConnectorBase_V1=None))
+
+    def pair(self, seed=0, planes=False, **extra):
+        cfg = offloading_config(self.daemon.socket, layout="planes" if planes else "blocks", **extra)
+        sched = self.Connector(None, "scheduler", config=cfg)
+        self.closers.append(sched.shutdown)
+        worker = self.Connector(None, "worker", config=cfg)
+        self.closers.append(worker.shutdown)
+        kv = layer_caches(self.torch, self.closers, seed, planes=planes, cuda=True)
+        worker.register_kv_caches(kv)
+        return sched, worker, kv
+
+    def rows(self, kv, blocks, planes=False):
+        self.torch.cuda.synchronize()
+        return [bytes(r) for r in super().rows({n: t.cpu() for n, t in kv.items()}, blocks, planes)]
+
+    def test_a_store_reads_what_the_forward_pass_wrote_after_gpu_work_queued_before_it(self):
+        sched, worker, kv = self.pair(seed=3)
+        torch = self.torch
+        nblk = 2 * BPC + 1
+        req = Request("a", "gpu-late", nblk)
+        ids = list(range(1, 1 + nblk))
+        early, fill = (torch.full((BLOCK,), v, dtype=torch.int16, device="cuda") for v in (5, 7))
+
+        def write(value):
+            for t in kv.values():
+                t.view(torch.int16)[1:1 + nblk].view(-1, BLOCK).copy_(value)
+        write(early)  # the kernels loaded (a lazy module load waits for the GPU), the blocks 5s
+        torch.cuda.synchronize()
+
+        def forward():  # 0.2 s of GPU work, then the layers' KV written (7s): after wait_for_save returns
+            torch.cuda._sleep(400_000_000)
+            write(fill)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        sched.update_state_after_alloc(req, ids, 0)
+        meta = sched.build_connector_meta(new_output(req, ids, 0, req.num_tokens))
+        sending, errors, wm = worker_step(worker, meta, (), forward)
+        self.assertFalse(torch.cuda.current_stream().query(), "the GPU work ended before wait_for_save returned")
+        sched.update_connector_output(NS(kv_connector_worker_meta=wm, finished_sending=sending))
+        self.assertEqual(sched.request_finished(req, ids), (True, None))
+        sent = set()
+        d.wait_for(lambda: sent.update(self.step(sched, worker, empty_output(), {"a"})[0]) or "a" in sent,
+                   what="a's stores")
+        want = self.rows(kv, ids[:2 * BPC])
+        self.assertTrue(all(r == b"\x07\x00" * (len(r) // 2) for r in want))  # the forward's 7s
+        dst = list(range(30, 30 + nblk))
+        again = Request("b", "gpu-late", nblk)
+        sched2 = self.Connector(None, "scheduler", config=offloading_config(self.daemon.socket, load_split="all"))
+        self.closers.append(sched2.shutdown)
+        self.assertEqual(sched2.get_num_new_matched_tokens(again, 0), (2 * CHUNK, False))
+        sched2.update_state_after_alloc(again, dst, 2 * CHUNK)
+        _, errors = self.step(sched2, worker, new_output(again, dst, 2 * CHUNK, BLOCK))
+        self.assertEqual(errors, set())
+        self.assertEqual(self.rows(kv, dst[:2 * BPC]), want)
 
 
 if __name__ == "__main__":
