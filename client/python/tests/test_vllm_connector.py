@@ -298,6 +298,8 @@ class DaemonTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.daemon.stop()
 
+    cuda = False  # the KV caches on the GPU
+
     def setUp(self):
         self.closers = []
 
@@ -311,7 +313,7 @@ class DaemonTest(unittest.TestCase):
         self.closers.append(sched.shutdown)
         worker = self.Connector(None, "worker", config=cfg)
         self.closers.append(worker.shutdown)
-        kv = layer_caches(self.torch, self.closers, seed, planes=planes)
+        kv = layer_caches(self.torch, self.closers, seed, planes=planes, cuda=self.cuda)
         worker.register_kv_caches(kv)
         return sched, worker, kv
 
@@ -489,15 +491,7 @@ class GpuTest(DaemonTest):
         cls.daemon = d.Daemon(capacity="4GiB", extra_toml='[gpu]\nmode = "on"\n')
         cls.Connector = C.connector_class(NS(KVConnectorBase_V1=None))
 
-    def pair(self, seed=0, planes=False, **extra):
-        cfg = offloading_config(self.daemon.socket, layout="planes" if planes else "blocks", **extra)
-        sched = self.Connector(None, "scheduler", config=cfg)
-        self.closers.append(sched.shutdown)
-        worker = self.Connector(None, "worker", config=cfg)
-        self.closers.append(worker.shutdown)
-        kv = layer_caches(self.torch, self.closers, seed, planes=planes, cuda=True)
-        worker.register_kv_caches(kv)
-        return sched, worker, kv
+    cuda = True
 
     def rows(self, kv, blocks, planes=False):
         self.torch.cuda.synchronize()
