@@ -177,6 +177,23 @@ class SplitTest(unittest.TestCase):
                 self.assertGreaterEqual(k, computed)
                 self.assertLessEqual(k, max(hit, computed))
 
+    def test_split_is_the_largest_boundary_within_min_gain_of_the_least_ttft_by_brute_force(self):
+        import random
+        r = random.Random(84)
+        for _ in range(3000):
+            gbps, chunk = r.choice([0.5, 2, 10, 50, 200]), r.choice([16, 256, 512])
+            prefix, suffix = r.randrange(0, 40000), r.randrange(1, 4000)
+            computed = r.randrange(0, prefix + 1) // 16 * 16
+            hit, total = r.randrange(computed, prefix + 1), prefix + suffix
+            m = CostModel(LLAMA_BYTES_PER_TOKEN, gbps)
+            k = m.split(total, computed, hit, chunk)
+            cands = [computed] + list(range((computed // chunk + 1) * chunk, min(hit, total) // chunk * chunk + 1, chunk))
+            limit = min(m.ttft_s(total, computed, c) for c in cands) * (1 + m.min_gain)
+            self.assertIn(k, cands)
+            self.assertLessEqual(m.ttft_s(total, computed, k), limit * (1 + 1e-12))
+            self.assertFalse([c for c in cands if c > k and m.ttft_s(total, computed, c) <= limit * (1 - 1e-12)],
+                             (gbps, chunk, total, computed, hit, k))
+
     def test_measured_loads_move_the_rate_and_the_split(self):
         m = CostModel(LLAMA_BYTES_PER_TOKEN, 50.0, alpha=0.5)
         before = m.split(32768 + 512, 0, 32768, 256)

@@ -93,40 +93,52 @@ class CostModel:
         """The tokens to have cached after the load, K: computed (load
         nothing) or a multiple of chunk in (computed, hit], the one of least
         modelled TTFT, or the largest whose TTFT is within min_gain of that
-        least. hit is the cached prefix's end; total the prompt's tokens."""
+        least. hit is the cached prefix's end; total the prompt's tokens.
+        A few bisection steps over local arithmetic: the scheduler calls it
+        for every prompt with a hit."""
         if chunk <= 0:
             raise ValueError(f"kvhost.vllm: chunk {chunk}: want tokens > 0")
         lo = computed // chunk + 1  # the first chunk boundary above computed
         hi = min(hit, total) // chunk
         if hi < lo:
             return computed
+        per, lat = self.bytes_per_token / self._rate, self.load_latency_s
+        a, half_b, fixed, t2 = self.a, self.b / 2.0, self.fixed, float(total) * total
+
+        def ttft(m):  # m boundaries of chunk tokens cached: max(load, compute)
+            k = m * chunk
+            load = (k - computed) * per + lat if k > computed else 0.0
+            comp = fixed + a * (total - k) + half_b * (t2 - float(k) * k) if k < total else 0.0
+            return load if load > comp else comp, load >= comp
+
+        t_hi, over = ttft(hi)
+        if not over:
+            return hi * chunk  # the whole hit loads within the computation of the rest
         # load(K_m) grows and compute(K_m) falls with m: bisect for the
         # first boundary where the load is no shorter than the computation.
-        ks = lambda m: m * chunk  # noqa: E731
-        a, b = lo, hi
-        while a < b:
-            m = (a + b) // 2
-            if self.load_s(ks(m) - computed) >= self.compute_s(total, ks(m)):
-                b = m
+        x, y = lo, hi
+        while x < y:
+            m = (x + y) // 2
+            if ttft(m)[1]:
+                y = m
             else:
-                a = m + 1
-        best_k, best = computed, self.ttft_s(total, computed, computed)
-        for m in {lo, hi, a, max(lo, a - 1)}:
-            t = self.ttft_s(total, computed, ks(m))
-            if t < best or (t == best and ks(m) > best_k):
-                best_k, best = ks(m), t
+                x = m + 1
+        best_m, best = None, ttft(0)[0] if computed == 0 else self.ttft_s(total, computed, computed)
+        for m in sorted({lo, max(lo, x - 1), x}):
+            t = ttft(m)[0]
+            if t <= best:
+                best_m, best = m, t
         # Beyond the crossing the TTFT is the load's, growing with K: the
-        # largest boundary within min_gain of the best (every boundary the
-        # search settles on is within it).
+        # largest boundary within min_gain of the best (lo - 1 stands for
+        # loading nothing).
         limit = best * (1.0 + self.min_gain)
-        first = max(lo, best_k // chunk)
-        if self.ttft_s(total, computed, ks(first)) > limit:
-            return best_k
-        a, b = first, hi
-        while a < b:
-            m = (a + b + 1) // 2
-            if self.ttft_s(total, computed, ks(m)) <= limit:
-                a = m
+        if t_hi <= limit:
+            return hi * chunk
+        x, y = (lo - 1 if best_m is None else best_m), hi
+        while x < y:
+            m = (x + y + 1) // 2
+            if ttft(m)[0] <= limit:
+                x = m
             else:
-                b = m - 1
-        return max(best_k, ks(a))
+                y = m - 1
+        return x * chunk if x >= lo else computed
