@@ -445,6 +445,24 @@ class DaemonTest(unittest.TestCase):
         self.assertEqual(worker.counters()["stored_keys"], 2)
         self.assertEqual(sched._scheduler.hit_tokens(Request("b", "p7", nblk), 0), 2 * CHUNK)
 
+    def test_a_preempted_requests_stores_end_before_handle_preemptions_returns(self):
+        sched, worker, _ = self.pair()
+        gate = threading.Event()
+        worker._worker._mark = lambda: NS(synchronize=gate.wait)
+        nblk = 2 * BPC + 1
+        req, ids = Request("a", "p8", nblk), list(range(1, 1 + nblk))
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, ids, 0)
+        meta = sched.build_connector_meta(new_output(req, ids, 0, req.num_tokens))
+        worker_step(worker, meta, ())
+        self.assertEqual(worker.counters()["stores_unsent"], 1)
+        opener = threading.Thread(target=lambda: d.wait_for(lambda: worker.counters()["stores_unsent"]) and gate.set())
+        opener.start()
+        worker.handle_preemptions(C.ConnectorMetadata(preempted={"a"}))
+        opener.join()
+        c = worker.counters()
+        self.assertEqual((c["stores_unsent"], c["stores_in_flight"], c["stored_keys"]), (0, 0, 2))
+
     def test_a_corrupted_file_comes_back_as_load_errors_never_as_loaded_bytes(self):
         sched, worker, kv = self.pair(load_split="all")
         nblk = 2 * BPC + 1
