@@ -11,16 +11,17 @@ import (
 
 // BenchmarkLoadLayerRange: a load of one layer of N keys against a load
 // of every layer of them, in bytes moved per second (buffered I/O, files
-// in the page cache: the engine's cost, not the disk's). Layer-major files
-// carry layer sums, so one layer is read and verified alone; block-major
-// ones do not, so one layer is verified through the whole key (every
-// layer read). Llama-3.1-8B's layers (32, 8 KV heads of 128, bf16), 64
-// tokens per key (2 MiB keys); KVHOST_BENCH_DIR picks the directory.
+// in the page cache: the engine's cost, not the disk's), for both payload
+// orders, and for files without layer sums (as written before them), of
+// which one layer is verified through the whole key (every layer read).
+// Llama-3.1-8B's layers (32, 8 KV heads of 128, bf16), 64 tokens per key
+// (2 MiB keys); KVHOST_BENCH_DIR picks the directory.
 func BenchmarkLoadLayerRange(b *testing.B) {
 	const nkeys = 16
 	for _, order := range []uint32{abi.OrderLayerMajor, abi.OrderBlockMajor} {
 		ctx := context.Background()
-		e := openEngine(b, Config{Mounts: []Mount{{Path: benchDir(b), IO: IOBuffered}}, Policy: newTestPolicy(1, order)})
+		dir := benchDir(b)
+		e := openEngine(b, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, order)})
 		g := llama8B()
 		g.TokensPerKey = 64
 		ns, err := e.Declare(ctx, g)
@@ -37,12 +38,19 @@ func BenchmarkLoadLayerRange(b *testing.B) {
 		}
 		storeAndCheck(b, e, c, keys, src)
 		for _, tc := range []struct {
-			name string
-			r    LayerRange
+			name  string
+			r     LayerRange
+			strip bool // rewrite the files without layer sums first
 		}{
-			{"every layer", LayerRange{}},
-			{"one layer", LayerRange{First: g.Layers / 2, Count: 1}},
+			{"every layer", LayerRange{}, false},
+			{"one layer", LayerRange{First: g.Layers / 2, Count: 1}, false},
+			{"one layer without layer sums", LayerRange{First: g.Layers / 2, Count: 1}, true},
 		} {
+			if tc.strip {
+				for _, path := range dataFiles(b, dir) {
+					stripLayerSums(b, path, decodeFile(b, path))
+				}
+			}
 			b.Run(fmt.Sprintf("order=%d/%s", order, tc.name), func(b *testing.B) {
 				layers := g.Layers
 				if tc.r.Count > 0 {

@@ -116,6 +116,10 @@ const (
 	// (format.Header.LayerSums): bytes of other layers are neither
 	// moved nor read; NoBlock blocks of the range's layers are read.
 	verifyLayers
+	// verifyBlockLayers: one checksum per (key, block, layer), both
+	// planes: a store's of a block-major file, whose keys' layer sums
+	// and key sums are both joined from them (checks.stored).
+	verifyBlockLayers
 )
 
 // plan builds the transfer plan of the layers lr of the keys want (nil:
@@ -144,9 +148,12 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m 
 			wanted++
 		}
 	}
-	ck := &checks{by: by, first: first, per: 1, moved: make([]int64, len(h.Keys)), skipped: make([]int64, len(h.Keys))}
-	if by == verifyLayers {
+	ck := &checks{by: by, first: first, layers: int(h.Layers), per: 1, moved: make([]int64, len(h.Keys)), skipped: make([]int64, len(h.Keys))}
+	switch by {
+	case verifyLayers:
 		ck.per = count
+	case verifyBlockLayers:
+		ck.per = int(h.BlocksPerKey) * count
 	}
 	ck.units = make([][]part, len(h.Keys)*ck.per)
 	n := count * int(h.Planes*h.BlocksPerKey)
@@ -158,7 +165,7 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m 
 		if skip && (by == verifyNone || by == verifyLayers && !in) {
 			return // neither moved nor verified
 		}
-		u := ck.unit(k, l)
+		u := ck.unit(k, b, l)
 		// A new slot where the unit's payload turns from moved to
 		// skipped bytes or back.
 		ps := ck.units[u]
@@ -203,12 +210,15 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m 
 // each unit's payload and their slots, and the bytes the plan leaves out
 // that the engine reads only to verify the units.
 type checks struct {
-	by    verify
-	first int // the range's first layer
-	per   int // units per file key: 1, or the range's layers (verifyLayers)
+	by     verify
+	first  int // the range's first layer
+	layers int // the file's layers
+	per    int // units per file key: 1, the range's layers (verifyLayers), blocks·layers (verifyBlockLayers)
 	// units[u] are the runs of unit u's payload, in payload order, each
 	// feeding a slot of its own: unit k for file key k (verifyKeys,
-	// verifyNone), k·per + l - first for its layer l (verifyLayers).
+	// verifyNone), k·per + l - first for its layer l (verifyLayers),
+	// k·per + b·layers + l for its block b's layer l (verifyBlockLayers,
+	// every layer).
 	// Empty for a key the plan does not read.
 	units [][]part
 	// reads are the skipped bytes' extents, by file offset: Region is
@@ -227,10 +237,13 @@ type part struct {
 	skip bool
 }
 
-// unit returns the unit of layer l of file key k.
-func (ck *checks) unit(k, l int) int {
-	if ck.by == verifyLayers {
+// unit returns the unit of block b's layer l of file key k.
+func (ck *checks) unit(k, b, l int) int {
+	switch ck.by {
+	case verifyLayers:
 		return k*ck.per + l - ck.first
+	case verifyBlockLayers:
+		return k*ck.per + b*ck.layers + l
 	}
 	return k
 }
@@ -268,25 +281,47 @@ func (ck *checks) mismatch(h *format.Header, k int, sums []uint32) (layer int, g
 	return 0, 0, 0, false
 }
 
-// stored sets the checksums of h's keys from a store's slots: with
-// verifyLayers (every layer), h.LayerSums, and each key's checksum joined
-// from its layers' (in the layer-major order a key's payload is its
-// layers in turn); with verifyKeys, each key's checksum.
+// stored sets the checksums of h's keys from a store's slots (of every
+// layer): with verifyKeys, each key's checksum; with verifyLayers
+// (layer-major), h.LayerSums, and each key's checksum joined from its
+// layers' (a key's payload is its layers in turn); with
+// verifyBlockLayers (block-major), each layer's checksum joined from its
+// blocks', and each key's from its blocks' layers' (a key's payload is
+// its blocks in turn, each its layers in turn).
 func (ck *checks) stored(h *format.Header, sums []uint32) {
-	if ck.by != verifyLayers {
+	switch ck.by {
+	case verifyLayers, verifyBlockLayers:
+	default:
 		for k := range h.Keys {
 			h.Keys[k].Sum = ck.sum(k, sums)
 		}
 		return
 	}
-	h.LayerSums = make([]uint32, len(h.Keys)*int(h.Layers))
-	n := h.LayerBytes()
+	L, B := int(h.Layers), int(h.BlocksPerKey)
+	h.LayerSums = make([]uint32, len(h.Keys)*L)
+	if ck.by == verifyLayers {
+		n := h.LayerBytes()
+		for k := range h.Keys {
+			var crc uint32
+			for l := range L {
+				s := ck.sum(ck.unit(k, 0, l), sums)
+				h.LayerSums[k*L+l] = s
+				crc = crc32c.Shift(crc, n) ^ s
+			}
+			h.Keys[k].Sum = crc
+		}
+		return
+	}
+	n := int64(h.Planes) * int64(h.BlockBytes) // a block's layer
 	for k := range h.Keys {
 		var crc uint32
-		for l := range int(h.Layers) {
-			s := ck.sum(ck.unit(k, l), sums)
-			h.LayerSums[k*int(h.Layers)+l] = s
-			crc = crc32c.Shift(crc, n) ^ s
+		layers := h.LayerSums[k*L : (k+1)*L]
+		for b := range B {
+			for l := range L {
+				s := ck.sum(ck.unit(k, b, l), sums)
+				layers[l] = crc32c.Shift(layers[l], n) ^ s
+				crc = crc32c.Shift(crc, n) ^ s
+			}
 		}
 		h.Keys[k].Sum = crc
 	}

@@ -440,12 +440,16 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		h.Flags &^= format.FlagPayloadSums // the file records it
 	}
 	h.LayerSums = nil // set with the payload sums, below
-	// A store skips no block (request). Its checksums are per layer of
-	// each key where the file will hold them (layer-major files whose
-	// table fits the header area), the keys' joined from them.
+	// A store skips no block (request). Where the file will hold layer
+	// sums (payload sums on, the table fits the header area), its
+	// checksums are per layer of each key (layer-major) or per block's
+	// layer (block-major), the layers' and keys' joined from them.
 	by := verifyKeys
-	if h.Flags&format.FlagPayloadSums != 0 && h.Order == format.OrderLayerMajor && !h.Raw && h.LayerSumsFit() {
+	if h.Flags&format.FlagPayloadSums != 0 && !h.Raw && h.LayerSumsFit() {
 		by = verifyLayers
+		if h.Order == format.OrderBlockMajor {
+			by = verifyBlockLayers
+		}
 	}
 	plan, ck := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m, LayerRange{}, by)
 
