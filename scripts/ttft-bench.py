@@ -36,7 +36,7 @@ last token, the device synchronized at both ends:
     split      load-or-recompute: the connector's scheduler (load_split
                "auto") decides K with its cost model, whose rates are
                this run's (the load rate whole load showed, a prefill
-               model through recompute and suffix); the worker loads K
+               model through recompute, half and suffix); the worker loads K
                tokens layer-wise while tokens K..P+S are computed
     llmd       (with --llmd) llm-d's storage_offload engine loads the
                prefix from its own files (written by it first), then the
@@ -44,7 +44,9 @@ last token, the device synchronized at both ends:
 
 and the ceilings beside them: suffix (the suffix's compute with the prefix
 already on the device) and h2d (a pinned host to GPU copy of the prefix's
-K/V bytes; CUDA only). The issue's bound is layerwise <= 1.15 x max(h2d,
+K/V bytes; CUDA only); half (the computation of the tokens after the
+first half of the prefix, that half on the device) is the third point of
+the split's prefill model. The issue's bound is layerwise <= 1.15 x max(h2d,
 suffix).
 
 The connector's keys are its own (its namespace, keys from vLLM-like
@@ -117,7 +119,7 @@ def parse_args(argv=None):
                     "times the prefixes' K/V bytes)")
     ap.add_argument("--sizes", default="2048,8192,32256", help="prefix sizes P in tokens, comma-separated")
     ap.add_argument("--suffix", type=int, default=512, help="suffix tokens S")
-    ap.add_argument("--modes", default="recompute,suffix,h2d,whole,layerwise,split,llmd",
+    ap.add_argument("--modes", default="recompute,suffix,half,h2d,whole,layerwise,split,llmd",
                     help="modes to run (recompute always runs: it is the reference)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per mode (median and best reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
@@ -139,7 +141,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.sizes = [int(s) for s in a.sizes.split(",") if s]
     a.modes = [m for m in a.modes.split(",") if m]
-    unknown = set(a.modes) - {"recompute", "suffix", "h2d", "whole", "layerwise", "split", "llmd"}
+    unknown = set(a.modes) - {"recompute", "suffix", "half", "h2d", "whole", "layerwise", "split", "llmd"}
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}")
     if not a.dir and not a.socket:
@@ -333,14 +335,24 @@ class Bench:
         if a.corrupt_stored:
             corrupt_newest(a.dir)
 
-        if "suffix" in a.modes:
+        def cached_mode(mode, k):
+            """Times the computation of tokens k.. with the first k cached
+            (in place since the recomputation); returns the last logits."""
             reps, oks, errs = [], [], []
             for _ in range(a.warmup + a.reps):
-                ms, logits = self.timed(lambda: self.model.forward(tokens[p:], p, self.cache, self.table))
+                ms, logits = self.timed(lambda: self.model.forward(tokens[k:], k, self.cache, self.table))
                 reps.append(ms)
                 self._check(logits, ref, oks, errs)
-            record("suffix", reps, oks, errs)
-            suffix_logits = logits
+            record(mode, reps, oks, errs, {"cached_tokens": k})
+            return logits
+
+        if "suffix" in a.modes:
+            suffix_logits = cached_mode("suffix", p)
+        # half: the computation of the tokens after half the prefix (on the
+        # key grid) with that half cached, for the split's prefill model.
+        half = p // 2 // a.tokens_per_key * a.tokens_per_key
+        if "half" in a.modes:
+            cached_mode("half", half)
 
         if "h2d" in a.modes and self.cuda:
             src = torch.empty(self.cfg.kv_bytes(p), dtype=torch.uint8, pin_memory=True)
@@ -389,7 +401,7 @@ class Bench:
                 finally:
                     sched.shutdown()
             if "split" in a.modes and {"recompute", "suffix", "whole"} <= set(modes):
-                costs = split_costs(p, s, self.cfg.kv_bytes(p), modes)
+                costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes)
                 rep["split_costs"] = costs
                 sched = conn.scheduler(load_split="auto", **costs)
                 try:
@@ -483,22 +495,48 @@ class Bench:
         rep["ratios"] = ratios
 
 
-def split_costs(p, s, prefix_bytes, modes):
+def solve(rows, rhs):
+    """x with rows x = rhs (Gaussian elimination, partial pivoting); None
+    where the rows are singular."""
+    n = len(rhs)
+    m = [list(r) + [v] for r, v in zip(rows, rhs)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if m[piv][c] == 0:
+            return None
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[r][n] / m[r][r] for r in range(n)]
+
+
+def split_costs(p, s, half, prefix_bytes, modes):
     """The connector's cost options for the split at prefix p, suffix s,
     fitted to this run: the load rate whole load showed (its time less the
-    suffix's compute), and the prefill model compute(T, K) = a (T - K) +
-    b (T^2 - K^2) / 2 through recompute (T = p + s, K = 0) and suffix (K =
-    p)."""
-    rec, suf = modes["recompute"]["median_ms"] / 1e3, modes["suffix"]["median_ms"] / 1e3
-    load_s = max(modes["whole"]["median_ms"] / 1e3 - suf, 1e-6)
+    suffix's compute), and the prefill model compute(T, K) = fixed + a (T
+    - K) + b (T^2 - K^2) / 2 (T = p + s) through the computations measured
+    with K cached: recompute (K = 0), half (K = half) and suffix (K = p).
+    Where three terms do not all come out >= 0 (or half did not run), the
+    fixed term is left out and a and b go through two of them."""
     t = p + s
-    # rec = a t + b t^2 / 2; suf = a s + b (t^2 - p^2) / 2
-    m11, m12, m21, m22 = t, t * t / 2, s, (t * t - p * p) / 2
-    det = m11 * m22 - m12 * m21
-    a = max((rec * m22 - m12 * suf) / det, 0.0)
-    b = max((m11 * suf - m21 * rec) / det, 0.0)
-    return {"load_gbps": prefix_bytes / load_s / 1e9, "load_latency_ms": 0.0,
-            "prefill_us_per_token": a * 1e6, "prefill_ns_per_token2": b * 1e9, "prefill_fixed_ms": 0.0}
+    ms = {"recompute": 0, "half": half, "suffix": p}
+    pts = [(ms[m], modes[m]["median_ms"] / 1e3) for m in ("recompute", "half", "suffix") if m in modes]
+    load_s = max(modes["whole"]["median_ms"] / 1e3 - modes["suffix"]["median_ms"] / 1e3, 1e-6)
+    fits = [(True, pts)] if len(pts) == 3 else []
+    fits += [(False, [pts[0], q]) for q in pts[1:]]
+    coef = None
+    for fixed, use in fits:
+        rows = [([1.0] if fixed else []) + [t - k, (t * t - k * k) / 2] for k, _ in use]
+        x = solve(rows, [v for _, v in use])
+        if x is not None and min(x) >= 0:
+            coef = x if fixed else [0.0] + x
+            break
+    if coef is None:  # every token alike
+        coef = [0.0, pts[0][1] / t, 0.0]
+    return {"load_gbps": prefix_bytes / load_s / 1e9, "load_latency_ms": 0.0, "prefill_fixed_ms": coef[0] * 1e3,
+            "prefill_us_per_token": coef[1] * 1e6, "prefill_ns_per_token2": coef[2] * 1e9}
 
 
 class Request:

@@ -26,7 +26,7 @@ LINE = re.compile(r"ttft P (\d+) S (\d+) mode (\w+) ms (\d+\.\d) best (\d+\.\d) 
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "16", "--mlp", "128", "--vocab", "128", "--sizes", "64", "--suffix", "16",
         "--tokens-per-key", "32", "--reps", "2"]
-CPU_MODES = ["recompute", "suffix", "whole", "layerwise", "split"]
+CPU_MODES = ["recompute", "suffix", "half", "whole", "layerwise", "split"]
 
 
 @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
@@ -72,6 +72,10 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(len(size["modes"]["layerwise"]["layer_ready_ms"]), 2)  # one wait per layer
         self.assertIn(size["modes"]["split"]["loaded_tokens"], (0, 32, 64))
         self.assertIn("split/recompute", size["ratios"])
+        self.assertEqual(size["modes"]["half"]["cached_tokens"], 32)
+        self.assertEqual(sorted(size["split_costs"]), ["load_gbps", "load_latency_ms", "prefill_fixed_ms",
+                                                       "prefill_ns_per_token2", "prefill_us_per_token"])
+        self.assertTrue(all(v >= 0 for v in size["split_costs"].values()), size["split_costs"])
         self.assertEqual(data["machine"]["device"], "cpu")
         self.assertIn("fs_type", data["machine"]["mount"])
         self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+")
