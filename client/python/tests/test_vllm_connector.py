@@ -80,8 +80,9 @@ def layer_caches(torch, closers, seed, nblocks=NBLOCKS, planes=False, cuda=False
         else:
             t, buf = kvhost.torch_host_tensor(shape, torch.bfloat16, name="connector-test")
             closers.append(buf.close)
-        t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=torch.Generator().manual_seed(seed + i),
-                                                dtype=torch.int16).to(t.device))
+        bits = torch.randint(-2**15, 2**15, t.shape, generator=torch.Generator().manual_seed(seed + i),
+                             dtype=torch.int16)
+        t.view(torch.int16).copy_(bits.to(t.device))
         kv[n] = t
     return kv
 
@@ -187,7 +188,8 @@ class SplitTest(unittest.TestCase):
             hit, total = r.randrange(computed, prefix + 1), prefix + suffix
             m = CostModel(LLAMA_BYTES_PER_TOKEN, gbps)
             k = m.split(total, computed, hit, chunk)
-            cands = [computed] + list(range((computed // chunk + 1) * chunk, min(hit, total) // chunk * chunk + 1, chunk))
+            first, last = (computed // chunk + 1) * chunk, min(hit, total) // chunk * chunk
+            cands = [computed] + list(range(first, last + 1, chunk))
             limit = min(m.ttft_s(total, computed, c) for c in cands) * (1 + m.min_gain)
             self.assertIn(k, cands)
             self.assertLessEqual(m.ttft_s(total, computed, k), limit * (1 + 1e-12))
