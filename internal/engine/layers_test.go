@@ -423,7 +423,8 @@ func TestStoreWritesLayerSums(t *testing.T) {
 // TestStoreLeavesOutLayerSumsThatDoNotFit: a layer-major file of 50 keys
 // of 4 layers has no room for their layer sums in its 4096-byte header
 // area (the engine never enlarges it): it is written without them, and a
-// layer range load of its keys verifies them through their whole keys.
+// layer range load of its keys verifies them through their whole keys
+// (counted in Stats.LayerLoadsByKey; a range of every layer is not).
 func TestStoreLeavesOutLayerSumsThatDoNotFit(t *testing.T) {
 	const n = 50
 	ctx := context.Background()
@@ -458,6 +459,12 @@ func TestStoreLeavesOutLayerSumsThatDoNotFit(t *testing.T) {
 		if got, want := c.block(3, 1, dst[i][2]), c.block(3, 1, src[i][2]); !bytes.Equal(got, want) {
 			t.Fatalf("key %d: layer 3 of its block 2 differs from the stored one", i)
 		}
+	}
+	// A range of every layer is a whole load: not counted.
+	res = wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: dst, Layers: LayerRange{First: 0, Count: g.Layers}}))
+	wantOutcomes(t, "load of every layer", res, OutcomeLoaded)
+	if got := e.Stats().LayerLoadsByKey; got != n {
+		t.Fatalf("LayerLoadsByKey %d after a load of every layer, want %d", got, n)
 	}
 }
 

@@ -25,8 +25,12 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 	if err := distinctBlocks(req.Blocks); err != nil {
 		return nil, err
 	}
-	if err := req.Layers.check(c.ns.geo.Layers); err != nil {
+	lr := req.Layers
+	if err := lr.check(c.ns.geo.Layers); err != nil {
 		return nil, err
+	}
+	if lr.Count == c.ns.geo.Layers {
+		lr = LayerRange{} // every layer: verified by whole keys, the fewest checksums
 	}
 	keys, blocks := cloneRequest(req.Keys, req.Blocks)
 	j, jctx, err := e.newJob(ctx, "load", len(keys))
@@ -34,7 +38,7 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 		return nil, err
 	}
 	j.mem = c.kind
-	go e.runLoad(jctx, j, c, keys, blocks, req.Layers)
+	go e.runLoad(jctx, j, c, keys, blocks, lr)
 	return j, nil
 }
 
