@@ -465,6 +465,28 @@ class DaemonTest(unittest.TestCase):
         c = worker.counters()
         self.assertEqual((c["stores_unsent"], c["stores_in_flight"], c["stored_keys"]), (0, 0, 2))
 
+    def test_after_a_daemon_restart_both_halves_connect_again_and_load_what_was_saved(self):
+        sched, worker, kv = self.pair(seed=11, load_split="all", reconnect_s=0.05)
+        nblk = 2 * BPC + 1
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, Request("a", "p9", nblk), src)
+        want = self.rows(kv, src[:2 * BPC])
+        self.daemon.halt()
+        self.daemon.start_again()
+        req = Request("b", "p9", nblk)
+        d.wait_for(lambda: sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False),
+                   what="the scheduler's hit on the new daemon")
+        def on_new_daemon():  # vLLM's steps call get_finished, every step
+            worker.get_finished(set())
+            return worker.counters()["connected"]
+        d.wait_for(on_new_daemon, what="the worker on the new daemon")
+        dst = list(range(40, 40 + nblk))
+        sched.update_state_after_alloc(req, dst, 2 * CHUNK)
+        _, errors = self.step(sched, worker, new_output(req, dst, 2 * CHUNK, BLOCK))
+        self.assertEqual(errors, set())
+        self.assertEqual(self.rows(kv, dst[:2 * BPC]), want)
+        self.assertGreaterEqual(sched.counters()["reconnects"], 1)
+
     def test_a_corrupted_file_comes_back_as_load_errors_never_as_loaded_bytes(self):
         sched, worker, kv = self.pair(load_split="all")
         nblk = 2 * BPC + 1

@@ -270,6 +270,19 @@ class _Half(Reconnects):
     def _current(self):
         return self._client
 
+    def _usable(self):
+        """The connection in use, None where there is none: never
+        connected, lost (a thread connects again), or found closed by the
+        daemon now (then marked lost, which starts that thread)."""
+        client = self._client
+        if client is None or self._broken is not None:
+            return None
+        if not client.connected():
+            with self._cv:
+                self._lost_locked(client, "the daemon closed the connection")
+            return None
+        return client
+
     def _close(self):
         """Stops connecting again and closes the connection. Idempotent."""
         with self._cv:
@@ -336,6 +349,12 @@ class ConnectorScheduler(_Half):
     def _swap_locked(self, new):
         self._client, self._ns = new
 
+    def _on_lost_locked(self):
+        """The pins ended with the connection: their ids are never sent to
+        the next one (where they may name pins of its own)."""
+        self._pins.clear()
+        self._step_pins = []
+
     # -- lookups ---------------------------------------------------------------
 
     def _keys(self, st):
@@ -369,8 +388,8 @@ class ConnectorScheduler(_Half):
         first = computed // self._chunk
         if last <= first:
             return computed
-        client, nss = self._client, self._ns
-        if self._broken is not None or client is None or not client.connected():
+        client, nss = self._usable(), self._ns
+        if client is None:
             return computed
         try:
             n = last - first
@@ -440,8 +459,8 @@ class ConnectorScheduler(_Half):
             self._pin(keys)
 
     def _pin(self, keys):
-        client, nss = self._client, self._ns
-        if self._broken is not None or client is None:
+        client, nss = self._usable(), self._ns
+        if client is None:
             return
         try:
             for ns in nss:
@@ -745,13 +764,13 @@ class ConnectorWorker(_Half):
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
         bad = [i for i, b in enumerate(blocks) if any(x != p.NO_BLOCK and not 0 <= x < self._nblocks for x in b)]
-        if self._client is None or self._broken is not None or bad:
+        client = self._usable()
+        if client is None or bad:
             why = "no daemon connection" if not bad else f"block ids outside the cache's {self._nblocks} blocks"
             log.warning("kvhost connector: loads of this step not run (%s): vLLM recomputes them", why)
             self._fail(blocks)
             return
         self._fence()
-        client = self._client
         for g, (first, count) in enumerate(groups):
             jobs = step.jobs[g] = []
             for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
@@ -855,7 +874,7 @@ class ConnectorWorker(_Half):
         # The scheduler delays the free of these requests' blocks until
         # get_finished reports them, stored or not.
         self._saving.update(t.req_id for t in saves)
-        if self._client is None or self._broken is not None:
+        if self._usable() is None:
             self._stats["store_skipped_keys"] += sum(len(t.keys) for t in saves)
             return
         mark = self._mark()
@@ -967,7 +986,10 @@ class ConnectorWorker(_Half):
 
     def finished(self, finished_req_ids):
         """The ids of finished requests whose stores have all ended (vLLM
-        frees their blocks then): those finished now and earlier."""
+        frees their blocks then): those finished now and earlier. vLLM
+        calls it every step: a connection the daemon closed is noticed
+        here, and connected again before the next load if it can."""
+        self._usable()
         for rid in finished_req_ids or ():
             if rid in self._saving:
                 self._finishing.add(rid)
@@ -999,6 +1021,7 @@ class ConnectorWorker(_Half):
         with self._lock:
             s["stores_in_flight"] = sum(len(j) for j in self._stores.values())
             s["stores_unsent"] = sum(self._unsent.values())
+            s["connected"] = self._broken is None and self._client is not None
         s["layer_loads"] = bool(self._client is not None and self.layer_loads())
         return s
 
