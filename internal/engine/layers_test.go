@@ -5,11 +5,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"os"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/crc32c"
@@ -23,6 +25,7 @@ import (
 // blocks 0-11 hold 3 keys stored from them (0-3, 4-7, 8-11).
 type layerFixture struct {
 	e      *Engine
+	pol    *testPolicy
 	ns     NamespaceID
 	c      *testCache
 	dir    string
@@ -35,13 +38,14 @@ func newLayerFixture(t testing.TB, io string, order, kpf uint32, layout int) *la
 	t.Helper()
 	ctx := context.Background()
 	dir := t.TempDir()
-	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: io}}, Policy: newTestPolicy(kpf, order)})
+	pol := newTestPolicy(kpf, order)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: io}}, Policy: pol})
 	g := smallGeometry(true)
 	ns, err := e.Declare(ctx, g)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := &layerFixture{e: e, ns: ns, c: newTestCache(t, e, ns, g, 40, layout), dir: dir, keys: testKeys("lr", 3), src: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}}}
+	f := &layerFixture{e: e, pol: pol, ns: ns, c: newTestCache(t, e, ns, g, 40, layout), dir: dir, keys: testKeys("lr", 3), src: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}}}
 	r := rand.New(rand.NewPCG(uint64(order), uint64(kpf)))
 	for _, b := range f.src {
 		f.c.fill(r, b)
@@ -490,4 +494,27 @@ func storedOnFakeDevice(t *testing.T, kpf uint32, id uint64, nb int, keys [][]by
 	stored := bytes.Clone(dev.mem)
 	wantOutcomes(t, "store", wait(t)(e.Store(context.Background(), StoreRequest{Cache: cid, Keys: keys, Blocks: blocks})), OutcomeStored)
 	return e, g, cid, dev, stored
+}
+
+// TestALayerWiseLoadCountsOneHit: a key loaded layer by layer, one job per
+// layer as a layer-wise client sends them, is one use of the key: the
+// policy is told of one hit and Stats.Hits grows by one, not by one per
+// layer, so that layer-wise loads do not rank keys above whole loads.
+func TestALayerWiseLoadCountsOneHit(t *testing.T) {
+	ctx := context.Background()
+	f := newLayerFixture(t, IOBuffered, abi.OrderLayerMajor, 1, layoutPlaneFirst)
+	pol := f.pol
+	hits := func() int { pol.mu.Lock(); defer pol.mu.Unlock(); return pol.hits }
+	before, statsBefore := hits(), f.e.Stats().Hits
+	for l := range f.c.geo.Layers {
+		res := wait(t)(f.e.Load(ctx, LoadRequest{Cache: f.c.id, Keys: f.keys[:1], Blocks: [][]int{{20, 21, 22, 23}}, Layers: LayerRange{First: l, Count: 1}}))
+		wantOutcomes(t, "load", res, OutcomeLoaded)
+	}
+	testwait.Until(t, "the policy told of the layer-wise load's hit", time.Minute, func() bool { return hits() > before })
+	if got := hits() - before; got != 1 {
+		t.Errorf("the policy was told of %d hits, want 1 for one layer-wise load of %d layers", got, f.c.geo.Layers)
+	}
+	if got := f.e.Stats().Hits - statsBefore; got != 1 {
+		t.Errorf("Stats.Hits grew by %d, want 1", got)
+	}
 }

@@ -91,9 +91,11 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	}
 	wg.Wait()
 
-	// Unpin; loaded entries count as hits.
+	// Unpin; loaded entries count as hits. A layer-wise load of a key
+	// is one job per group of layers: only the group that starts at
+	// layer 0 counts, so that the policy sees one use, not one per group.
 	loaded := func(en *entry) bool {
-		return slices.ContainsFunc(byEntry[en], func(i int) bool { return j.res.Keys[i].Outcome == OutcomeLoaded })
+		return lr.First == 0 && slices.ContainsFunc(byEntry[en], func(i int) bool { return j.res.Keys[i].Outcome == OutcomeLoaded })
 	}
 	e.access(ctx, e.ix.UnpinLoad(order, loaded, e.cfg.Now().UnixNano()))
 }
@@ -286,7 +288,9 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 			}
 		}
 		set(dst[k], OutcomeLoaded, nil)
-		e.st.hits.Add(1)
+		if lr.First == 0 {
+			e.st.hits.Add(1) // one per layer-wise load of the key (runLoad)
+		}
 		e.st.loads.Add(1)
 		if by == verifyKeys && !lr.all() {
 			e.st.layersByKey.Add(1)

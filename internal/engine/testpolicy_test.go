@@ -24,6 +24,7 @@ type testPolicy struct {
 	mu      sync.Mutex
 	entries map[uint64]*abi.AccessRecord
 	pins    map[uint64]int
+	hits    int // AccessHit records seen
 }
 
 var _ policy.Policy = (*testPolicy)(nil)
@@ -67,6 +68,7 @@ func (p *testPolicy) Access(_ context.Context, recs []abi.AccessRecord) error {
 			r := r
 			p.entries[r.Entry] = &r
 		case abi.AccessHit:
+			p.hits++
 			if e := p.entries[r.Entry]; e != nil {
 				e.Time = r.Time
 			}
