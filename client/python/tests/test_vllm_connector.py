@@ -385,6 +385,28 @@ class DaemonTest(unittest.TestCase):
                 self.assertEqual(c.get("load_failed_keys", 0), 0)
                 self.assertGreater(sched.counters()["load_measurements"], 0)
 
+    def test_pages_whose_dimensions_vllm_permuted_load_byte_for_byte(self):
+        # vLLM's NHD layout: a block's memory is (block, heads, 2 * head), the
+        # tensor's dimensions (heads, block, 2 * head): one extent, permuted.
+        cfg = offloading_config(self.daemon.socket, load_split="all")
+        sched = self.Connector(None, "scheduler", config=cfg)
+        worker = self.Connector(None, "worker", config=cfg)
+        self.closers += [sched.shutdown, worker.shutdown]
+        raw = layer_caches(self.torch, self.closers, 21)  # (blocks, heads, block, 2 * head) memory
+        kv = {n: r.view(NBLOCKS, BLOCK, HEADS, 2 * HEAD).permute(0, 2, 1, 3) for n, r in raw.items()}
+        self.assertFalse(kv[NAMES[0]][0].is_contiguous())
+        worker.register_kv_caches(kv)
+        nblk = 2 * BPC + 1
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, Request("a", "p10", nblk), src)
+        want = self.rows(raw, src[:2 * BPC])
+        req, dst = Request("b", "p10", nblk), list(range(40, 40 + nblk))
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (2 * CHUNK, False))
+        sched.update_state_after_alloc(req, dst, 2 * CHUNK)
+        _, errors = self.step(sched, worker, new_output(req, dst, 2 * CHUNK, BLOCK))
+        self.assertEqual(errors, set())
+        self.assertEqual(self.rows(raw, dst[:2 * BPC]), want)
+
     def test_tensors_of_another_layout_are_refused_naming_the_option(self):
         cfg = offloading_config(self.daemon.socket, layout="planes")
         worker = self.Connector(None, "worker", config=cfg)

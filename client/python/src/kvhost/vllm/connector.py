@@ -573,6 +573,18 @@ class ConnectorScheduler(_Half):
         self._close()
 
 
+def _dense(t):
+    """Whether tensor t's elements fill one extent of t.numel() elements, in
+    any order of its dimensions (vLLM permutes a block's dimensions for the
+    NHD and HND layouts: its bytes stay one extent)."""
+    want = 1
+    for stride, size in sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] != 1):
+        if stride != want:
+            return False
+        want *= size
+    return True
+
+
 def _block_ids(blocks):
     """Group 0's block ids of vLLM's KVCacheBlocks (or a plain list)."""
     if blocks is None:
@@ -684,7 +696,7 @@ class ConnectorWorker(_Half):
             raise ValueError(self._layout_error(name, t, "its shape"))
         inner = t[0, 0] if planes else t[0]
         want = page // 2 if planes else page
-        if not inner.is_contiguous() or inner.numel() * es != want:
+        if not _dense(inner) or inner.numel() * es != want:
             raise ValueError(self._layout_error(name, t, f"a contiguous {want}-byte {'half ' if planes else ''}page "
                                                          "per block"))
         if planes and (t.stride(0) < t.shape[1] * t.stride(1) or t.stride(1) * es < want):
