@@ -1,8 +1,11 @@
 package engine
 
 import (
+	"context"
 	"fmt"
 	"slices"
+	"sync"
+	"sync/atomic"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/region"
@@ -13,7 +16,51 @@ type cache struct {
 	ns     *namespace
 	layers []LayerTensor
 	kind   region.Kind // of every layer's region: picks the mover
+	loads  loadOrder   // the order its loads take file slots in
 }
+
+// loadOrder makes the loads into one cache take their file slots in the
+// order they were submitted: a load waits until the cache's previous load
+// has a slot for each of its files. A layer-wise client submits a step's
+// loads at once, one per group of layers, and reads layer 0 first; taking
+// slots in turns between them would finish every group at about the same
+// time, the first as late as the last. Loads into other caches (other
+// clients) still take slots as they come.
+type loadOrder struct {
+	last atomic.Pointer[chan struct{}] // closed once the latest load has its slots
+}
+
+// take gives a load its turn, behind the cache's previous load; take is
+// called in submission order (Engine.Load).
+func (o *loadOrder) take() loadTurn {
+	mine := make(chan struct{})
+	var prev chan struct{}
+	if p := o.last.Swap(&mine); p != nil {
+		prev = *p
+	}
+	return loadTurn{prev: prev, mine: mine, once: new(sync.Once)}
+}
+
+// loadTurn is one load's place in its cache's loadOrder.
+type loadTurn struct {
+	prev, mine chan struct{}
+	once       *sync.Once
+}
+
+// wait returns once the previous load has its slots, or ctx is done (the
+// order is then given up for this load: it never blocks a later one).
+func (t loadTurn) wait(ctx context.Context) {
+	if t.prev == nil {
+		return
+	}
+	select {
+	case <-t.prev:
+	case <-ctx.Done():
+	}
+}
+
+// done lets the next load take slots; later calls do nothing.
+func (t loadTurn) done() { t.once.Do(func() { close(t.mine) }) }
 
 // RegisterCache registers the paged KV cache of one worker for namespace ns:
 // one tensor per layer. Every block of every layer must lie inside its

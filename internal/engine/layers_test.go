@@ -5,11 +5,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -516,5 +518,65 @@ func TestALayerWiseLoadCountsOneHit(t *testing.T) {
 	}
 	if got := f.e.Stats().Hits - statsBefore; got != 1 {
 		t.Errorf("Stats.Hits grew by %d, want 1", got)
+	}
+}
+
+// orderMover is a fakeMover whose reads record the layer each plan loads
+// (layer tensors lie one after another in the fake device: registerFakeDevice)
+// and wait, the first of them, until gate is closed.
+type orderMover struct {
+	fakeMover
+	layerBytes int64
+	gate       chan struct{}
+	first      sync.Once
+	mu         sync.Mutex
+	layers     []int
+}
+
+func (m *orderMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	m.first.Do(func() { <-m.gate })
+	m.mu.Lock()
+	m.layers = append(m.layers, int(p.Extents[0].RegionOff/m.layerBytes))
+	m.mu.Unlock()
+	return m.fakeMover.ReadFile(ctx, f, p, sums)
+}
+
+// TestACachesLoadsTakeFileSlotsInTheOrderTheyCame: three one-layer loads
+// of the same four files (one key each), submitted at once into one cache
+// as a layer-wise client submits a step's layers, with one I/O slot: every
+// file of the first load is read before any of the second's, and the
+// second's before the third's, so the first layer is ready after a third
+// of the work, not at the end with the others.
+func TestACachesLoadsTakeFileSlotsInTheOrderTheyCame(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	const nb = 40
+	mv := &orderMover{layerBytes: 2 * nb * g.BlockBytes(), gate: make(chan struct{})}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), IOWorkers: 1,
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cid, _ := registerFakeDevice(t, e, ns, g, 7, nb)
+	keys := testKeys("order", 4)
+	src := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}
+	dst := [][]int{{20, 21, 22, 23}, {24, 25, 26, 27}, {28, 29, 30, 31}, {32, 33, 34, 35}}
+	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: src})), OutcomeStored)
+	var jobs []*Job
+	for l := range 3 {
+		j, err := e.Load(ctx, LoadRequest{Cache: cid, Keys: keys, Blocks: dst, Layers: LayerRange{First: l, Count: 1}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		jobs = append(jobs, j)
+	}
+	close(mv.gate)
+	for _, j := range jobs {
+		wantOutcomes(t, "load", waitJob(t, j, nil), OutcomeLoaded)
+	}
+	want := []int{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2}
+	if !slices.Equal(mv.layers, want) {
+		t.Errorf("files read for layers %v, want %v: each load's files before the next load's", mv.layers, want)
 	}
 }

@@ -38,11 +38,12 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 		return nil, err
 	}
 	j.mem = c.kind
-	go e.runLoad(jctx, j, c, keys, blocks, lr)
+	turn := c.loads.take()
+	go e.runLoad(jctx, j, c, keys, blocks, lr, turn)
 	return j, nil
 }
 
-func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange) {
+func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, turn loadTurn) {
 	defer e.finish(j)
 	ns := c.ns
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
@@ -73,6 +74,9 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	}
 	e.access(ctx, pins)
 
+	// The cache's earlier loads take their file slots first (loadOrder).
+	turn.wait(ctx)
+	defer turn.done() // on every path; a second call does nothing
 	var wg sync.WaitGroup
 	for _, en := range order {
 		idx := byEntry[en]
@@ -89,6 +93,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx)
 		}()
 	}
+	turn.done() // every file has its slot: the cache's next load may take slots
 	wg.Wait()
 
 	// Unpin; loaded entries count as hits. A layer-wise load of a key

@@ -458,7 +458,7 @@ func TestLoadDestinationChanged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	go e.runLoad(jctx, j, cc, keys, same, LayerRange{})
+	go e.runLoad(jctx, j, cc, keys, same, LayerRange{}, cc.loads.take())
 	res := waitJob(t, j, nil)
 	failed := 0
 	for i, k := range res.Keys {
