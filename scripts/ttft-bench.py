@@ -445,7 +445,9 @@ class Bench:
         engine = storage_offload.StorageOffloadEngine(
             a.llmd_threads, bpf, tensors, [list(range(len(tensors)))], [len(tensors) * cfg.block_bytes],
             int(a.llmd_threads * 0.75), "disabled", 0.0)
-        d = os.path.join(a.dir or tempfile.gettempdir(), f"llmd-{self.run_id}-P{p}")
+        # Beside the daemon's directory (the same mount), not in it.
+        d = f"{os.path.abspath(a.dir).rstrip('/')}-llmd-{self.run_id}-P{p}" if a.dir else \
+            os.path.join(tempfile.gettempdir(), f"ttft-llmd-{self.run_id}-P{p}")
         paths = [os.path.join(d, f"k{i:05d}.bin") for i in range(len(blocks))]
         state = {"job": 0}
 

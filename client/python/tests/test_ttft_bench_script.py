@@ -15,6 +15,7 @@ import tempfile
 import unittest
 
 from daemon import REPO, kvhost_binary
+from test_peer_llmd_script import STAND_IN
 
 try:
     import torch  # noqa: F401
@@ -79,6 +80,16 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(data["machine"]["device"], "cpu")
         self.assertIn("fs_type", data["machine"]["mount"])
         self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+")
+
+    def test_llmd_mode_loads_the_prefix_through_the_engine_it_is_given(self):
+        with tempfile.TemporaryDirectory() as mod:
+            with open(os.path.join(mod, "storage_offload.py"), "w") as f:
+                f.write(STAND_IN)  # llm-d's engine as test_peer_llmd_script stands it in: real files
+            out, lines, data = self.bench("--llmd", mod, "--llmd-threads", "2", "--modes", "recompute,llmd")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertEqual(sorted(lines), ["llmd", "recompute"], out.stdout)
+        self.assertEqual(lines["llmd"].group(6), "True", out.stdout)
+        self.assertEqual(data["sizes"]["64"]["modes"]["llmd"]["loaded_tokens"], 64)
 
     def test_a_corrupted_stored_file_fails_the_run_instead_of_passing(self):
         out, lines, data = self.bench("--corrupt-stored", "--modes", "recompute,whole,layerwise")
