@@ -364,11 +364,11 @@ class Bench:
         def load_mode(mode, run):
             """Times run(failures) -> (logits, tokens loaded) from poisoned
             prefix blocks, checking each repetition."""
-            reps, oks, errs, loaded, as_suffix = [], [], [], [], []
+            reps, oks, errs, loaded, as_suffix, dropped = [], [], [], [], [], []
             for _ in range(a.warmup + a.reps):
                 self.poison(p)
                 if a.cold:
-                    drop_page_cache(self.cold_state)
+                    dropped.append(drop_page_cache(self.cold_state))
                 failures = []
                 ms, (logits, k) = self.timed(lambda: run(failures))
                 reps.append(ms)
@@ -381,7 +381,8 @@ class Bench:
                     failures.append(f"loaded blocks differ from the recomputation's ({k} tokens)")
                 self._check(logits, ref, oks, errs, failures)
             record(mode, reps, oks, errs, {"loaded_tokens": loaded[-1], "loaded_tokens_reps": loaded[a.warmup:],
-                                           "logits_equal_suffix_ceiling": as_suffix})
+                                           "logits_equal_suffix_ceiling": as_suffix,
+                                           "page_cache_dropped": dropped})
 
         if "whole" in a.modes:
             def whole(failures):
