@@ -146,6 +146,8 @@ def parse_args(argv=None):
         ap.error(f"unknown modes {sorted(unknown)}")
     if not a.dir and not a.socket:
         ap.error("give --dir (a daemon is started there) or --socket")
+    if a.corrupt_stored and not a.dir:
+        ap.error("--corrupt-stored needs --dir (the files it corrupts)")
     if a.tokens_per_key % 16:
         ap.error(f"--tokens-per-key {a.tokens_per_key}: want a multiple of the 16-token block")
     for p in a.sizes:
