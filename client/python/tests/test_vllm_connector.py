@@ -321,6 +321,13 @@ class DaemonTest(unittest.TestCase):
 
     def setUp(self):
         self.closers = []
+        # The workers observe no vLLM (as where none is installed), though a
+        # vLLM tree loaded by another test module in this process is importable.
+        from unittest import mock
+        from kvhost.vllm import spec_worker
+        p = mock.patch.object(spec_worker, "observe_layout", lambda groups: None)
+        p.start()
+        self.closers.append(p.stop)
 
     def tearDown(self):
         for c in reversed(self.closers):
