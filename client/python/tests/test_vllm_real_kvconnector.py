@@ -177,6 +177,25 @@ class RealKvConnectorTest(vllm_tree.RealCase):
         self.assertEqual(self.rows(kv, dst[:4 * BPC]), want)
         self.assertGreater(sched.counters()["load_measurements"], 0)
 
+    def test_the_workers_transfer_counters_reach_vllms_kv_transfer_stats(self):
+        import pickle
+        metrics = importlib.import_module(f"{KVC}.v1.metrics")
+        sched, worker, _ = self.engine(seed=6, load_split="all")
+        nblk = 2 * BPC + 1
+        self.save_prompt(sched, worker, self.request("a", "kvc-stats", nblk), list(range(1, 1 + nblk)))
+        worker.get_kv_connector_stats()  # the saves' counters: taken
+        self.load(sched, worker, self.request("b", "kvc-stats", nblk), list(range(20, 20 + nblk)), 2 * BPC * BLOCK)
+        st = worker.get_kv_connector_stats()
+        self.assertIsInstance(st, metrics.KVConnectorStats)
+        self.assertEqual(st.data["load_keys"], 2)
+        self.assertGreater(st.data["bytes_loaded"], 0)
+        again = pickle.loads(pickle.dumps(st))  # it travels from the workers to the scheduler's process
+        self.assertEqual((type(again), again.data), (type(st), st.data))
+        summed = type(sched).build_kv_connector_stats(st.data).aggregate(again)
+        self.assertEqual(summed.data["load_keys"], 4)
+        self.assertIn("load_gbps", summed.reduce())
+        self.assertIsNone(worker.get_kv_connector_stats())  # nothing moved since
+
     def test_a_corrupted_file_is_reported_as_invalid_blocks(self):
         sched, worker, kv = self.engine(seed=9, load_split="all")
         nblk = 2 * BPC + 1

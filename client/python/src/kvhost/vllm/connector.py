@@ -637,6 +637,7 @@ class ConnectorWorker(_Half):
         self._saving = set()                           # req ids with a save sent (get_finished reports them)
         self._measured = [0, 0.0]                      # bytes, seconds of loads since the last worker meta
         self._done_steps = []                          # steps whose loads ended since the last worker meta
+        self._reported = {}                            # the counters get_kv_connector_stats reported last
         self._outbox = collections.deque()             # (CUDA mark, saves) the sender thread sends in order
         self._unsent = collections.Counter()           # req id -> batches of its saves not sent yet
         self._sender = None
@@ -869,6 +870,7 @@ class ConnectorWorker(_Half):
             self._measured[0] += step.nbytes
             self._measured[1] += step.t_end - step.t0
             self._stats["bytes_loaded"] += step.nbytes
+            self._stats["load_seconds"] += step.t_end - step.t0
         self._done_steps.append(step.number)
         self._step = None
 
@@ -1027,6 +1029,15 @@ class ConnectorWorker(_Half):
         self._measured, self._done_steps = [0, 0.0], []
         return WorkerMeta(nbytes, secs, steps) if steps or nbytes else None
 
+    def stats_delta(self):
+        """What the counters of STAT_KEYS gained since the last call (a
+        dict; all zero where nothing moved)."""
+        with self._lock:
+            now = {k: self._stats.get(k, 0) for k in STAT_KEYS}
+            delta = {k: now[k] - self._reported.get(k, 0) for k in STAT_KEYS}
+            self._reported = now
+        return delta
+
     def counters(self):
         """The worker's counters since it started (for tests and tools)."""
         s = dict(self._stats)
@@ -1050,6 +1061,50 @@ class ConnectorWorker(_Half):
 
 
 # -- the connector ------------------------------------------------------------------
+
+
+# The worker counters vLLM's KV-transfer stats carry (get_kv_connector_stats).
+STAT_KEYS = ("load_jobs", "load_keys", "load_failed_keys", "bytes_loaded", "load_seconds", "store_jobs", "store_keys",
+             "stored_keys", "present_keys", "store_failed_jobs", "bytes_stored")
+
+
+def stats_class(base):
+    """KvhostConnectorStats over vLLM's KVConnectorStats (base): sums of
+    the workers' STAT_KEYS counters over an interval; reduce adds the load
+    rate (GB/s). Pickled by its data (the class is made here, when vLLM is
+    there: it is rebuilt on the other side through kvhost.vllm)."""
+
+    class KvhostConnectorStats(base):
+        """The connector workers' transfer counters of an interval."""
+
+        def reset(self):
+            self.data = {}
+
+        def aggregate(self, other):
+            for k, v in (other.data or {}).items():
+                self.data[k] = self.data.get(k, 0) + v
+            return self
+
+        def reduce(self):
+            d = dict(self.data)
+            if d.get("load_seconds"):
+                d["load_gbps"] = round(d.get("bytes_loaded", 0) / d["load_seconds"] / 1e9, 3)
+            return d
+
+        def is_empty(self):
+            return not any(self.data.values())
+
+        def __reduce__(self):
+            return (_rebuild_stats, (dict(self.data),))
+
+    KvhostConnectorStats.__module__ = "kvhost.vllm"
+    return KvhostConnectorStats
+
+
+def _rebuild_stats(data):
+    """A KvhostConnectorStats of data, in a process that unpickles one."""
+    from .. import vllm as package
+    return package.KvhostConnector.build_kv_connector_stats(data)
 
 
 def _role_name(role):
@@ -1096,6 +1151,7 @@ class _ConnectorImpl:
     ``num_scheduled_tokens`` and ``preempted_req_ids``."""
 
     _api = None
+    _stats_cls = None
 
     def __init__(self, vllm_config, role, kv_cache_config=None, config=None, extra_config=None):
         base = getattr(self._api, "KVConnectorBase_V1", None)
@@ -1189,6 +1245,21 @@ class _ConnectorImpl:
         of the step is waited for first)."""
         return self._worker.take_errors()
 
+    def get_kv_connector_stats(self):
+        """The workers' transfer counters since the last call, as vLLM's
+        KVConnectorStats (None where nothing moved, or without vLLM)."""
+        cls = self._stats_cls
+        if cls is None or self._worker is None:
+            return None
+        delta = self._worker.stats_delta()
+        return cls(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        """vLLM's KVConnectorStats of data (the workers' counters, summed),
+        for its KV-transfer logging; None without vLLM's class."""
+        return cls._stats_cls(data=dict(data or {})) if cls._stats_cls is not None else None
+
     def build_connector_worker_meta(self):
         """The step's measured loads (WorkerMeta) for the scheduler's split."""
         return self._worker.worker_meta() if self._worker is not None else None
@@ -1248,8 +1319,12 @@ def detect_connector():
     except ImportError as e:
         raise UnsupportedVLLM(f"kvhost.vllm: the installed vLLM has no KVConnectorBase_V1 ({e}); "
                               f"supported: {CONNECTOR_WINDOW}") from e
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    except ImportError:  # stats are optional: the connector runs without them
+        KVConnectorStats = None
     return types.SimpleNamespace(name="vllm", KVConnectorBase_V1=base.KVConnectorBase_V1,
-                                 KVConnectorRole=base.KVConnectorRole)
+                                 KVConnectorRole=base.KVConnectorRole, KVConnectorStats=KVConnectorStats)
 
 
 def connector_class(api=None):
@@ -1258,8 +1333,9 @@ def connector_class(api=None):
     api = detect_connector() if api is None else api
     base = getattr(api, "KVConnectorBase_V1", None)
     bases = (_ConnectorImpl,) if base is None else (_ConnectorImpl, base)
-    cls = type("KvhostConnector", bases, {"_api": api, "__module__": "kvhost.vllm",
-                                          "__doc__": _ConnectorImpl.__doc__})
+    stats = getattr(api, "KVConnectorStats", None)
+    cls = type("KvhostConnector", bases, {"_api": api, "__module__": "kvhost.vllm", "__doc__": _ConnectorImpl.__doc__,
+                                          "_stats_cls": stats_class(stats) if stats is not None else None})
     abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
     if abstract:
         raise UnsupportedVLLM(f"kvhost.vllm: this vLLM requires connector methods kvhost does not implement: "
