@@ -21,6 +21,7 @@ import sys
 import threading
 import types
 import unittest
+from unittest import mock
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -323,7 +324,6 @@ class DaemonTest(unittest.TestCase):
         self.closers = []
         # The workers observe no vLLM (as where none is installed), though a
         # vLLM tree loaded by another test module in this process is importable.
-        from unittest import mock
         from kvhost.vllm import spec_worker
         p = mock.patch.object(spec_worker, "observe_layout", lambda groups: None)
         p.start()
@@ -546,6 +546,19 @@ class DaemonTest(unittest.TestCase):
         sched.update_state_after_alloc(req, list(range(1, 2 * BPC + 2)), 0)
         self.step(sched, worker, new_output(req, list(range(1, 2 * BPC + 2)), 0, req.num_tokens))
         self.assertEqual(sched.request_finished(req, []), (False, None))
+
+    def test_a_prompt_of_more_keys_than_a_request_takes_is_looked_up_in_parts(self):
+        sched, worker, _ = self.pair()
+        nblk = (P.MAX_KEYS_PER_REQUEST + 3) * BPC  # more keys than one lookup may name
+        req, asked = Request("e", "p11", nblk), []
+
+        def lookup(client, ns, keys):  # every key held
+            asked.append(len(keys))
+            return len(keys)
+        with mock.patch.object(kvhost.Client, "lookup", lookup):
+            hit = sched._scheduler.hit_tokens(req, 0)
+        keys = P.MAX_KEYS_PER_REQUEST + 3 - 1  # vLLM computes the prompt's last token: its key is not claimed
+        self.assertEqual((hit, asked), (keys * CHUNK, [P.MAX_KEYS_PER_REQUEST, 2]))
 
     def test_load_split_off_claims_nothing(self):
         sched, worker, _ = self.pair(load_split="off")

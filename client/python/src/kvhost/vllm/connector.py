@@ -393,8 +393,8 @@ class ConnectorScheduler(_Half):
             return computed
         try:
             n = last - first
-            for ns in nss:
-                n = min(n, client.lookup(ns, keys[first:first + n]) if n else 0)
+            for ns in nss:  # every rank must hold a key
+                n = min(n, self._leading(client, ns, keys, first, n))
         except (KvhostError, ConnectionLost, OSError, ValueError) as e:
             self._stats["lookup_errors"] += 1
             if lost_connection(e, client):
@@ -404,6 +404,19 @@ class ConnectorScheduler(_Half):
                 log.warning("kvhost connector: lookup: %s", e)
             return computed
         return max(computed, (first + n) * self._chunk)
+
+    @staticmethod
+    def _leading(client, ns, keys, first, n):
+        """How many of keys[first:first + n] ns holds in a row, asked in
+        requests of at most MAX_KEYS_PER_REQUEST keys."""
+        held = 0
+        while held < n:
+            want = min(n - held, p.MAX_KEYS_PER_REQUEST)
+            got = client.lookup(ns, keys[first + held:first + held + want])
+            held += got
+            if got < want:
+                break
+        return held
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         """(K - num_computed_tokens, False): K, the tokens cached after this
@@ -1265,6 +1278,19 @@ class _ConnectorImpl:
         return self._worker.worker_meta() if self._worker is not None else None
 
     # -- scheduler side --------------------------------------------------------
+
+    @staticmethod
+    def _leading(client, ns, keys, first, n):
+        """How many of keys[first:first + n] ns holds in a row, asked in
+        requests of at most MAX_KEYS_PER_REQUEST keys."""
+        held = 0
+        while held < n:
+            want = min(n - held, p.MAX_KEYS_PER_REQUEST)
+            got = client.lookup(ns, keys[first + held:first + held + want])
+            held += got
+            if got < want:
+                break
+        return held
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         """(tokens to load beyond num_computed_tokens, False): the split's
