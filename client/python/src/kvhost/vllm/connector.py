@@ -1279,19 +1279,6 @@ class _ConnectorImpl:
 
     # -- scheduler side --------------------------------------------------------
 
-    @staticmethod
-    def _leading(client, ns, keys, first, n):
-        """How many of keys[first:first + n] ns holds in a row, asked in
-        requests of at most MAX_KEYS_PER_REQUEST keys."""
-        held = 0
-        while held < n:
-            want = min(n - held, p.MAX_KEYS_PER_REQUEST)
-            got = client.lookup(ns, keys[first + held:first + held + want])
-            held += got
-            if got < want:
-                break
-        return held
-
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         """(tokens to load beyond num_computed_tokens, False): the split's
         share of the cached prefix, loaded within the step."""
