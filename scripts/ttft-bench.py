@@ -115,6 +115,8 @@ def parse_args(argv=None):
     ap.add_argument("--socket", help="a running daemon's socket instead of starting one")
     ap.add_argument("--kvhost-bin", default=os.environ.get("KVHOST_BIN") or str(REPO / "bin" / "kvhost"),
                     help="the daemon's binary ($KVHOST_BIN, else bin/kvhost)")
+    ap.add_argument("--io-workers", type=int, default=0,
+                    help="the started daemon's engine.io_workers: files in flight (0: its default, the CPUs)")
     ap.add_argument("--capacity", help="the mount's capacity in the daemon's configuration (default: four "
                     "times the prefixes' K/V bytes)")
     ap.add_argument("--sizes", default="2048,8192,32256", help="prefix sizes P in tokens, comma-separated")
@@ -468,8 +470,13 @@ class Bench:
             if not (ok and all(flags)):
                 failures.append(f"llm-d {'store' if store else 'load'} reported a failure")
 
+        # Store the recomputation's K/V: a split before this left the
+        # blocks past its K as its own computation made them (other
+        # kernels, other bf16 roundings), not the reference's.
+        self.cache.index_copy_(2, self.prefix_blocks(p), ref_kv)
+        self.sync()
         failures = []
-        job(True, failures)  # from the recomputation's blocks, still in place: no load ran since the last check
+        job(True, failures)
         if failures:
             raise SystemExit(f"ttft-bench: {failures[0]}")
 
@@ -519,25 +526,44 @@ def solve(rows, rhs):
 
 def split_costs(p, s, half, prefix_bytes, modes):
     """The connector's cost options for the split at prefix p, suffix s,
-    fitted to this run: the load rate whole load showed (its time less the
+    fitted to this run: the load rate layer-wise loads showed (the time
+    their last layer arrived), else whole load's (its time less the
     suffix's compute), and the prefill model compute(T, K) = fixed + a (T
     - K) + b (T^2 - K^2) / 2 (T = p + s) through the computations measured
     with K cached: recompute (K = 0), half (K = half) and suffix (K = p).
-    Where three terms do not all come out >= 0 (or half did not run), the
-    fixed term is left out and a and b go through two of them."""
+    The fit is a least-squares one in relative error over the terms that
+    come out >= 0 (every subset of the three is tried, the closest kept):
+    on the H200 the attention term dominates so much that an exact fit
+    through the points gives a negative linear term, and dropping the
+    quadratic one instead (every token alike) made the split claim a
+    third too few tokens."""
     t = p + s
     ms = {"recompute": 0, "half": half, "suffix": p}
     pts = [(ms[m], modes[m]["median_ms"] / 1e3) for m in ("recompute", "half", "suffix") if m in modes]
     load_s = max(modes["whole"]["median_ms"] / 1e3 - modes["suffix"]["median_ms"] / 1e3, 1e-6)
-    fits = [(True, pts)] if len(pts) == 3 else []
-    fits += [(False, [pts[0], q]) for q in pts[1:]]
-    coef = None
-    for fixed, use in fits:
-        rows = [([1.0] if fixed else []) + [t - k, (t * t - k * k) / 2] for k, _ in use]
-        x = solve(rows, [v for _, v in use])
-        if x is not None and min(x) >= 0:
-            coef = x if fixed else [0.0] + x
-            break
+    ready = modes.get("layerwise", {}).get("layer_ready_ms")
+    if ready and modes["layerwise"].get("ok"):
+        # The rate the connector learns in steady state is its own
+        # layer-wise loads' (it observes its load jobs): the prefix's
+        # bytes over the time its last layer arrived.
+        load_s = max(ready[-1] / 1e3, 1e-6)
+    terms = [lambda k: 1.0, lambda k: float(t - k), lambda k: (t * t - k * k) / 2.0]
+    coef, best = None, None
+    for mask in range(1, 8):
+        use = [i for i in range(3) if mask >> i & 1]
+        if len(use) > len(pts):
+            continue
+        rows = [[terms[i](k) / v for i in use] for k, v in pts]  # relative error: each point divided by itself
+        ata = [[sum(r[i] * r[j] for r in rows) for j in range(len(use))] for i in range(len(use))]
+        atb = [sum(r[i] for r in rows) for i in range(len(use))]
+        x = solve(ata, atb)
+        if x is None or min(x) < 0:
+            continue
+        res = sum((sum(c * r[j] for j, c in enumerate(x)) - 1.0) ** 2 for r in rows)
+        if best is None or res < best:
+            best, coef = res, [0.0, 0.0, 0.0]
+            for j, i in enumerate(use):
+                coef[i] = x[j]
     if coef is None:  # every token alike
         coef = [0.0, pts[0][1] / t, 0.0]
     return {"load_gbps": prefix_bytes / load_s / 1e9, "load_latency_ms": 0.0, "prefill_fixed_ms": coef[0] * 1e3,
@@ -704,7 +730,8 @@ def main(argv=None):
         kv = sum(Config(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim).kv_bytes(p) for p in a.sizes)
         os.makedirs(a.dir, exist_ok=True)
         # Room for the prefixes twice (the client's keys and the connector's), and as much again.
-        daemon = Daemon(capacity=a.capacity or f"{(4 * kv >> 20) + 64}MiB", dir=os.path.abspath(a.dir))
+        daemon = Daemon(capacity=a.capacity or f"{(4 * kv >> 20) + 64}MiB", dir=os.path.abspath(a.dir),
+                        extra_toml=f"[engine]\nio_workers = {a.io_workers}\n" if a.io_workers else "")
     try:
         with kvhost.Client(daemon.socket if daemon else a.socket, name="ttft-bench", timeout=a.job_timeout) as c:
             bench = Bench(a, c, daemon.socket if daemon else a.socket)
