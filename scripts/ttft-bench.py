@@ -89,6 +89,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import types
 import warnings
@@ -115,6 +116,9 @@ def parse_args(argv=None):
     ap.add_argument("--socket", help="a running daemon's socket instead of starting one")
     ap.add_argument("--kvhost-bin", default=os.environ.get("KVHOST_BIN") or str(REPO / "bin" / "kvhost"),
                     help="the daemon's binary ($KVHOST_BIN, else bin/kvhost)")
+    ap.add_argument("--lookups", type=int, default=2000,
+                    help="time this many connector lookups of each prompt idle, and more beside the layer-wise "
+                         "loads (0: none)")
     ap.add_argument("--io-workers", type=int, default=0,
                     help="the started daemon's engine.io_workers: files in flight (0: its default, the CPUs)")
     ap.add_argument("--capacity", help="the mount's capacity in the daemon's configuration (default: four "
@@ -401,9 +405,15 @@ class Bench:
                 corrupt_newest(a.dir)
             if "layerwise" in a.modes:
                 sched = conn.scheduler(load_split="all")
+                look = Lookups(conn, p, tokens.shape[0], a.lookups) if a.lookups else None
                 try:
+                    if look:
+                        look.idle()
+                        look.start()
                     load_mode("layerwise", lambda f: conn.request(sched, p, tokens, f))
                 finally:
+                    if look:
+                        rep["lookups"] = look.stop()
                     sched.shutdown()
             if "split" in a.modes and {"recompute", "suffix", "whole"} <= set(modes):
                 costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes)
@@ -582,6 +592,60 @@ class Request:
             self.block_hashes.append(prev)
         self.num_prompt_tokens = self.num_tokens = tokens
         self.skip_reading_prefix_cache = False
+
+
+class Lookups:
+    """Times the connector's scheduler-side lookup, get_num_new_matched_tokens
+    of a prompt of the prefix and the suffix (all of the prefix cached),
+    as vLLM's scheduler asks it for a waiting request: n calls back to back
+    with nothing else running (idle), then one call every 200 us on a
+    thread while the layer-wise loads run (beside loads; in this process,
+    so the worker's Python threads compete for the interpreter as they
+    would not in vLLM, where the scheduler is a process of its own)."""
+
+    def __init__(self, conn, p, tokens, n):
+        self.sched = conn.scheduler(load_split="all")
+        self.req = Request(f"lookups-{p}", conn._names(p, tokens), tokens)
+        self.p, self.n, self.want, self.changed = p, n, None, 0
+        self.busy, self.stopping, self.thread = [], threading.Event(), None
+
+    def _one(self):
+        t0 = time.perf_counter_ns()
+        k, _ = self.sched.get_num_new_matched_tokens(self.req, 0)
+        dt = time.perf_counter_ns() - t0
+        if self.want is None:
+            self.want = k
+        elif k != self.want:
+            self.changed += 1  # a key dropped meanwhile (a corrupt file): counted, not timed apart
+        return dt / 1e3
+
+    def idle(self):
+        self._one()  # the request's keys, made once as vLLM's request state keeps them
+        self.idle_us = [self._one() for _ in range(self.n)]
+
+    def start(self):
+        def loop():  # at least one lookup, however short the loads
+            while True:
+                self.busy.append(self._one())
+                if self.stopping.wait(200e-6):
+                    return
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.stopping.set()
+        self.thread.join()
+        self.sched.shutdown()
+        out = {"claimed_tokens": self.want, "claims_changed": self.changed}
+        for name, xs in (("idle", self.idle_us), ("beside_loads", self.busy)):
+            xs = sorted(xs)
+            out[name] = {"n": len(xs), "p50_us": xs[len(xs) // 2], "p99_us": xs[min(len(xs) - 1, len(xs) * 99 // 100)],
+                         "max_us": xs[-1]} if xs else {"n": 0}
+        i, b = out["idle"], out["beside_loads"]
+        print(f"lookup P {self.p} tokens {self.want} idle p50_us {i.get('p50_us', 0):.1f} p99_us "
+              f"{i.get('p99_us', 0):.1f} n {i['n']} beside_loads p50_us {b.get('p50_us', 0):.1f} p99_us "
+              f"{b.get('p99_us', 0):.1f} n {b['n']}", flush=True)
+        return out
 
 
 class Connector:

@@ -77,6 +77,12 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(sorted(size["split_costs"]), ["load_gbps", "load_latency_ms", "prefill_fixed_ms",
                                                        "prefill_ns_per_token2", "prefill_us_per_token"])
         self.assertTrue(all(v >= 0 for v in size["split_costs"].values()), size["split_costs"])
+        look = size["lookups"]  # the connector's lookups of the prompt, idle and beside the loads
+        self.assertEqual(look["claimed_tokens"], 64)
+        self.assertEqual(look["idle"]["n"], 2000)
+        self.assertGreaterEqual(look["beside_loads"]["n"], 1)
+        self.assertLessEqual(look["idle"]["p50_us"], look["idle"]["p99_us"])
+        self.assertRegex(out.stdout, r"lookup P 64 tokens 64 idle p50_us [\d.]+ p99_us [\d.]+ n 2000 beside_loads ")
         self.assertEqual(data["machine"]["device"], "cpu")
         self.assertIn("fs_type", data["machine"]["mount"])
         self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+")
