@@ -135,7 +135,7 @@ def parse_args(argv=None):
     ap.add_argument("--llmd-threads", type=int, default=16, help="llm-d engine I/O threads")
     ap.add_argument("--device", default="cuda", help="torch device (cpu: tests)")
     ap.add_argument("--tokens-per-key", type=int, default=256, help="tokens per kvhost key (and llm-d file)")
-    ap.add_argument("--layers-per-load", type=int, default=1, help="layers per layer-wise load job")
+    ap.add_argument("--layers-per-load", type=int, default=4, help="layers per layer-wise load job")
     ap.add_argument("--job-timeout", type=float, default=120, help="seconds a load may take before it fails")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corrupt-stored", action="store_true",

@@ -26,7 +26,7 @@ except ImportError:
 LINE = re.compile(r"ttft P (\d+) S (\d+) mode (\w+) ms (\d+\.\d) best (\d+\.\d) ok (True|False)")
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "16", "--mlp", "128", "--vocab", "128", "--sizes", "64", "--suffix", "16",
-        "--tokens-per-key", "32", "--reps", "2"]
+        "--tokens-per-key", "32", "--reps", "2", "--layers-per-load", "1"]
 CPU_MODES = ["recompute", "suffix", "half", "whole", "layerwise", "split"]
 
 

@@ -372,7 +372,7 @@ class DaemonTest(unittest.TestCase):
     def test_a_saved_prefix_loads_layer_by_layer_into_other_blocks_byte_for_byte(self):
         for planes in (False, True):
             with self.subTest(planes=planes):
-                sched, worker, kv = self.pair(seed=7 * planes, planes=planes, load_split="all")
+                sched, worker, kv = self.pair(seed=7 * planes, planes=planes, load_split="all", layers_per_load=1)
                 nblk = 4 * BPC + 1  # four whole chunks and a block more
                 src = list(range(1, 1 + nblk))
                 tag = f"p1-{planes}"

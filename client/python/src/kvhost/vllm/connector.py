@@ -57,7 +57,7 @@ OPTIONS = {
     "socket": None,             # the daemon's socket (default: $KVHOST_SOCKET, ...)
     "namespace": "",            # extra text in the namespace identity
     "client_name": "vllm-connector",
-    "layers_per_load": 1,       # layers per load job (1: every layer waits only for its own)
+    "layers_per_load": 4,       # layers per load job (4: the fastest on the H200; 1: every layer waits only for its own)
     "load_split": "auto",       # "auto": load or recompute; "all": claim every cached token; "off": load nothing
     "load_gbps": 2.0,           # the load rate the split starts from (GB/s, per worker), then measured
     "load_latency_ms": 1.0,     # a load's fixed cost
