@@ -21,22 +21,8 @@ func BenchmarkLoadLayerRange(b *testing.B) {
 	for _, order := range []uint32{abi.OrderLayerMajor, abi.OrderBlockMajor} {
 		ctx := context.Background()
 		dir := benchDir(b)
-		e := openEngine(b, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, order)})
-		g := llama8B()
-		g.TokensPerKey = 64
-		ns, err := e.Declare(ctx, g)
-		if err != nil {
-			b.Fatal(err)
-		}
+		e, g, c, keys, dst := storedForLayerBench(b, dir, order, nkeys, fmt.Sprintf("bench%d", order))
 		bpk := g.BlocksPerKey()
-		c := newTestCache(b, e, ns, g, 2*nkeys*bpk, layoutPlaneFirst)
-		keys := testKeys(fmt.Sprintf("bench%d", order), nkeys)
-		r := rand.New(rand.NewPCG(2, 3))
-		src, dst := blockLists(r, nkeys, bpk, 0), blockLists(r, nkeys, bpk, nkeys*bpk)
-		for _, bs := range src {
-			c.fill(rand.New(rand.NewPCG(1, uint64(bs[0]))), bs)
-		}
-		storeAndCheck(b, e, c, keys, src)
 		for _, tc := range []struct {
 			name  string
 			r     LayerRange
@@ -76,22 +62,8 @@ func BenchmarkLoadLayerRange(b *testing.B) {
 func BenchmarkLoadLayerWise(b *testing.B) {
 	const nkeys = 16
 	ctx := context.Background()
-	e := openEngine(b, Config{Mounts: []Mount{{Path: benchDir(b), IO: IOBuffered}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
-	g := llama8B()
-	g.TokensPerKey = 64
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		b.Fatal(err)
-	}
+	e, g, c, keys, dst := storedForLayerBench(b, benchDir(b), abi.OrderLayerMajor, nkeys, "layerwise")
 	bpk := g.BlocksPerKey()
-	c := newTestCache(b, e, ns, g, 2*nkeys*bpk, layoutPlaneFirst)
-	keys := testKeys("layerwise", nkeys)
-	r := rand.New(rand.NewPCG(4, 5))
-	src, dst := blockLists(r, nkeys, bpk, 0), blockLists(r, nkeys, bpk, nkeys*bpk)
-	for _, bs := range src {
-		c.fill(rand.New(rand.NewPCG(1, uint64(bs[0]))), bs)
-	}
-	storeAndCheck(b, e, c, keys, src)
 	for _, perJob := range []int{g.Layers, 4, 1} {
 		b.Run(fmt.Sprintf("layers per job=%d", perJob), func(b *testing.B) {
 			b.SetBytes(int64(nkeys*bpk*g.Layers*g.Planes()) * g.BlockBytes())
@@ -112,4 +84,30 @@ func BenchmarkLoadLayerWise(b *testing.B) {
 			}
 		})
 	}
+}
+
+// storedForLayerBench opens an engine on dir whose files have the payload
+// order order, declares Llama-3.1-8B's layers with 64 tokens per key (2 MiB
+// keys), and stores nkeys keys named after tag from random blocks of a
+// cache twice their size; it returns the engine, the geometry, the cache,
+// the keys and the blocks (in the cache's other half) to load them into.
+func storedForLayerBench(b *testing.B, dir string, order uint32, nkeys int, tag string) (*Engine, Geometry, *testCache, [][]byte, [][]int) {
+	b.Helper()
+	e := openEngine(b, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, order)})
+	g := llama8B()
+	g.TokensPerKey = 64
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		b.Fatal(err)
+	}
+	bpk := g.BlocksPerKey()
+	c := newTestCache(b, e, ns, g, 2*nkeys*bpk, layoutPlaneFirst)
+	keys := testKeys(tag, nkeys)
+	r := rand.New(rand.NewPCG(2, 3))
+	src, dst := blockLists(r, nkeys, bpk, 0), blockLists(r, nkeys, bpk, nkeys*bpk)
+	for _, bs := range src {
+		c.fill(rand.New(rand.NewPCG(1, uint64(bs[0]))), bs)
+	}
+	storeAndCheck(b, e, c, keys, src)
+	return e, g, c, keys, dst
 }
