@@ -265,6 +265,11 @@ type Config struct {
 	// NodeID names this node in temporary file names (default: the host
 	// name). Nodes sharing a mount must have distinct ids.
 	NodeID string
+	// PolicyName names the placement policy (a built-in's name, or a
+	// plugin's file) in this node's summaries on a cluster mount, so that
+	// a node beside one of another policy warns: their ranks do not
+	// compare (docs/cluster.md). "" says none.
+	PolicyName string
 	// LockFile, if set, is a node-local file Open creates and locks
 	// (flock, exclusive, not waiting) before it touches any mount, and
 	// holds until Close: a second engine given the same file fails with
