@@ -56,6 +56,12 @@ var (
 	// cannot make a good file look corrupt); the entry is dropped and the
 	// file removed.
 	ErrCorrupt = errors.New("engine: corrupt file")
+	// ErrDestinationChanged: a loaded key's checksum, computed from its
+	// destination blocks, did not match, but the file verifies when read
+	// again into private memory: the client's own memory (its
+	// client-writable blocks) changed during the load. The file is good
+	// and stays; the key's blocks hold no good copy of it.
+	ErrDestinationChanged = errors.New("engine: the destination blocks changed during the load (the file verifies)")
 	// ErrPolicy: the policy failed or returned something the engine refused.
 	ErrPolicy = errors.New("engine: policy")
 	// ErrLimit: a request is valid but would pass a bound of the
