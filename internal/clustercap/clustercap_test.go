@@ -170,7 +170,11 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 		name string
 		edit func(s *Summary)
 	}{
-		{"version", func(s *Summary) { s.Version = 2 }},
+		{"version", func(s *Summary) { s.Version = SummaryVersion + 1 }},
+		{"capacity beyond MaxBytes", func(s *Summary) { s.Capacity = MaxBytes + 1 }},
+		{"negative bound", func(s *Summary) { s.Bound = -1 }},
+		{"negative untagged bytes", func(s *Summary) { s.Untagged = -1 }},
+		{"policy name too long", func(s *Summary) { s.Policy = strings.Repeat("p", MaxPolicyName+1) }},
 		{"version 0", func(s *Summary) { s.Version = 0 }},
 		{"tag", func(s *Summary) { s.Tag++ }},
 		{"claim below bytes", func(s *Summary) { s.Claim = 5 }},
@@ -994,5 +998,84 @@ func TestWatchKeepsACutOnlyWhileItsSummaryIsRecentAsTheReaderSawIt(t *testing.T)
 	w.See([]*Summary{next}, 104*iv)
 	if got := cut(next, 104*iv); got != 0 {
 		t.Fatalf("a summary seen anew after the peer was gone: cut %d, want none", got)
+	}
+}
+
+// TestAVersion1SummaryWithoutABoundIsRead: a summary of a node before
+// the bound was published (version 1: no capacity, policy, run or
+// untagged bytes) decodes, those fields zero, and takes no part in the
+// agreement on the bound.
+func TestAVersion1SummaryWithoutABoundIsRead(t *testing.T) {
+	old := fmt.Sprintf(`{"version":1,"node":"old","tag":%d,"seq":4,"time":5,"interval":10,"bytes":30,"claim":40,"sketch":{"ranks":[1],"bytes":[30]}}`, Tag("old"))
+	s, err := Decode([]byte(old))
+	if err != nil {
+		t.Fatalf("a version-1 summary does not decode: %v", err)
+	}
+	if s.Capacity != 0 || s.Policy != "" || s.Run != 0 || s.Untagged != 0 || s.Claim != 40 {
+		t.Fatalf("a version-1 summary read as %+v: want claim 40 and no capacity, policy, run or untagged bytes", s)
+	}
+	if bound, from := Agree(100, "me", []*Summary{s}); bound != 100 || from != "me" {
+		t.Fatalf("Agree beside a version-1 node: %d from %q, want this node's 100", bound, from)
+	}
+}
+
+// TestAgreeTakesTheSmallestConfiguredCapacity: the bound is the smallest
+// capacity among this node and the peers that state one, ties to the
+// smallest name, so that every node names the same source.
+func TestAgreeTakesTheSmallestConfiguredCapacity(t *testing.T) {
+	peer := func(node string, capacity int64) *Summary { return &Summary{Node: node, Capacity: capacity} }
+	tests := []struct {
+		name      string
+		own       int64
+		peers     []*Summary
+		bound     int64
+		boundFrom string
+	}{
+		{"alone", 800, nil, 800, "me"},
+		{"a smaller peer", 800, []*Summary{peer("a", 100), peer("b", 100)}, 100, "a"},
+		{"this node the smallest", 100, []*Summary{peer("a", 800)}, 100, "me"},
+		{"a tie goes to the smallest name", 100, []*Summary{peer("a", 100)}, 100, "a"},
+		{"a peer stating none", 100, []*Summary{peer("a", 0)}, 100, "me"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if b, from := Agree(tc.own, "me", tc.peers); b != tc.bound || from != tc.boundFrom {
+				t.Fatalf("Agree: %d from %q, want %d from %q", b, from, tc.bound, tc.boundFrom)
+			}
+		})
+	}
+}
+
+// TestAClaimBeyondTheBoundCannotHold: a claim above the bound cannot
+// hold (Untenable names it), one within it can; a summary stating fewer
+// bytes than the files seen of its node counts the files (AtLeast).
+func TestAClaimBeyondTheBoundCannotHold(t *testing.T) {
+	s := &Summary{Node: "x", Bytes: 10, Claim: MaxBytes}
+	if why := Untenable(s, 1000); !strings.Contains(why, "more than the cluster's bound") {
+		t.Fatalf("a claim of 2^62 under a bound of 1000: %q, want it untenable", why)
+	}
+	s.Claim = 1000
+	if why := Untenable(s, 1000); why != "" {
+		t.Fatalf("a claim of the whole bound: %q, want it tenable", why)
+	}
+	g := AtLeast(&Summary{Node: "x", Bytes: 0, Claim: 0}, 300)
+	if g.Bytes != 300 || g.Claim != 300 {
+		t.Fatalf("a summary of 0 bytes beside 300 bytes of its files: counted %d, claim %d; want 300", g.Bytes, g.Claim)
+	}
+}
+
+// TestOddRanksTellsSecondsFromNanoseconds: ranks in Unix seconds (or a
+// constant) are on another scale than Unix nanoseconds of use.
+func TestOddRanksTellsSecondsFromNanoseconds(t *testing.T) {
+	now := int64(1_800_000_000) * 1e9
+	for _, tc := range []struct {
+		name string
+		top  uint64
+		odd  bool
+	}{{"nanoseconds", uint64(now - 1e9), false}, {"seconds", uint64(now / 1e9), true}, {"zero", 0, true}} {
+		sk := Sketch{Ranks: []uint64{0, tc.top}, Bytes: []int64{1, 2}}
+		if got := OddRanks(sk, now); got != tc.odd {
+			t.Errorf("%s: OddRanks %v, want %v", tc.name, got, tc.odd)
+		}
 	}
 }

@@ -130,19 +130,74 @@ func (d *Dir) Relock() (bool, error) {
 			return false, nil
 		}
 	}
-	f, ok, err := d.tryLockPath(path)
-	if err != nil {
-		return false, fmt.Errorf("clustercap: %w", err)
-	}
 	if d.lock != nil {
-		d.lock.Close() // a lock on a file no longer at the path excludes nobody
+		// A lock on a file no longer at the path excludes nobody; and
+		// where the check erred and it is that file (an identity the
+		// file system reports anew once the directory came back), this
+		// process's own lock would refuse the one below, as if a second
+		// copy held it.
+		d.lock.Close()
 		d.lock = nil
+	}
+	// Another node's probe holds the lock for a moment at most: a few
+	// tries over a few milliseconds tell it from a second copy.
+	var f fsys.File
+	ok := false
+	for pause := time.Millisecond; ; pause *= 2 {
+		var err error
+		f, ok, err = d.tryLockPath(path)
+		if err != nil {
+			return false, fmt.Errorf("clustercap: %w", err)
+		}
+		if ok || pause > relockPause {
+			break
+		}
+		time.Sleep(pause)
 	}
 	if !ok {
 		return false, fmt.Errorf("%w: %s: another process holds node %q's lock", ErrNodeLocked, path, d.node)
 	}
 	d.lock = f
 	return true, nil
+}
+
+// relockPause bounds the pauses of Relock's tries of a lock another
+// process holds (1, 2, 4 … ms: about 60 ms in all).
+const relockPause = 32 * time.Millisecond
+
+// LockMissing reports whether node's lock file is not in the directory:
+// the node never ran on the mount, or its lock file was removed (a
+// running node locks it again at its next interval). An error reading
+// the directory reports false: unknown.
+func (d *Dir) LockMissing(node string) bool {
+	_, err := d.lstat(d.lockPath(node))
+	return errors.Is(err, os.ErrNotExist)
+}
+
+// SummaryPath is the path of node's summary file.
+func (d *Dir) SummaryPath(node string) string { return d.summaryPath(node) }
+
+// ReadSummary reads and decodes node's summary file (this node's own, to
+// check that it is the one it wrote: ReadAll reads the others'). A
+// summary under another node's name in the file fails with ErrSummary.
+func (d *Dir) ReadSummary(node string) (*Summary, error) {
+	path := d.summaryPath(node)
+	var b []byte
+	err := retryStale(func() (err error) {
+		b, err = d.readFile(path)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("clustercap: %w", err)
+	}
+	s, err := Decode(b)
+	if err != nil {
+		return nil, err
+	}
+	if s.Node != node {
+		return nil, fmt.Errorf("%w: %s holds node %q's summary", ErrSummary, path, s.Node)
+	}
+	return s, nil
 }
 
 // tryLockPath opens path (creating it; read-write where it may:

@@ -15,7 +15,19 @@ import (
 // keep them must be written under another file name. A node whose summary
 // does not decode at all still counts (docs/cluster.md, "Coordinator
 // lost").
-const SummaryVersion = 1
+//
+// Version 2 added the bound (Capacity, Bound, BoundFrom), the policy's
+// name (Policy), the run (Run) and the bytes of files without an owner
+// tag (Untagged); a version-1 summary decodes with them zero, read as
+// "not said" (docs/cluster.md, "Summaries").
+const SummaryVersion = 2
+
+// MinSummaryVersion is the oldest summary version this package reads: a
+// node of a kvhost before SummaryVersion still counts in the bound.
+const MinSummaryVersion = 1
+
+// MaxPolicyName bounds Summary.Policy.
+const MaxPolicyName = 128
 
 // MaxTouches bounds Summary.Touches: the other nodes' files a node reports
 // having used since its last summary (the most recent first are kept).
@@ -72,6 +84,25 @@ type Summary struct {
 	// nolock) every probe of another node's lock finds it free. Summaries
 	// of nodes that predate the field decode with none.
 	LockShared []string `json:"lock_shared,omitempty"`
+	// Capacity is the cluster_capacity this node's configuration gives
+	// the mount (bytes; 0: not said, a node before version 2). Bound is
+	// the bound the node applies, agreed with the others (Agree), and
+	// BoundFrom the node whose configured capacity it is.
+	Capacity  int64  `json:"capacity,omitempty"`
+	Bound     int64  `json:"bound,omitempty"`
+	BoundFrom string `json:"bound_from,omitempty"`
+	// Policy names the node's placement policy ("" : not said): nodes
+	// ranking by other policies evict by ranks that do not compare.
+	Policy string `json:"policy,omitempty"`
+	// Run is when the node's current run started (Unix nanoseconds, its
+	// clock; 0: not said): a lock found free in two runs of a node says
+	// nothing of whether flocks reach it (a node restarting between two
+	// probes).
+	Run int64 `json:"run,omitempty"`
+	// Untagged is the bytes of the files without an owner tag (written by
+	// a kvhost before owner tags) this node found on the mount: they count
+	// against the bound once (Agree's callers take the largest report).
+	Untagged int64 `json:"untagged,omitempty"`
 }
 
 // MaxAdopted bounds Summary.Adopted, and Summary.LockShared too.
@@ -98,8 +129,8 @@ func Encode(s *Summary) ([]byte, error) {
 	return json.Marshal(s)
 }
 
-// Decode decodes and validates a summary: of SummaryVersion or a later
-// one, whose fields this version does not know are ignored.
+// Decode decodes and validates a summary: of MinSummaryVersion or a
+// later one, whose fields this version does not know are ignored.
 func Decode(b []byte) (*Summary, error) {
 	var s Summary
 	if err := json.Unmarshal(b, &s); err != nil {
@@ -111,15 +142,15 @@ func Decode(b []byte) (*Summary, error) {
 	return &s, nil
 }
 
-// Validate checks the summary's fields: its version is SummaryVersion or
-// a later one (read for the fields this version knows).
+// Validate checks the summary's fields: its version is MinSummaryVersion
+// or a later one (read for the fields this version knows).
 func (s *Summary) Validate() error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: node %q: %s", ErrSummary, s.Node, fmt.Sprintf(format, args...))
 	}
 	switch {
-	case s.Version < SummaryVersion:
-		return bad("version %d, want %d or later", s.Version, SummaryVersion)
+	case s.Version < MinSummaryVersion:
+		return bad("version %d, want %d or later", s.Version, MinSummaryVersion)
 	case s.Node == "" || len(s.Node) > 64:
 		return bad("node name of %d bytes, want 1..64", len(s.Node))
 	case s.Tag != Tag(s.Node):
@@ -128,6 +159,14 @@ func (s *Summary) Validate() error {
 		return bad("interval %d, want > 0", s.Interval)
 	case s.Bytes < 0 || s.Claim < s.Bytes || s.Claim > MaxBytes:
 		return bad("bytes %d, claim %d: want 0 <= bytes <= claim <= %d", s.Bytes, s.Claim, int64(MaxBytes))
+	case s.Capacity < 0 || s.Capacity > MaxBytes || s.Bound < 0 || s.Bound > MaxBytes:
+		return bad("capacity %d, bound %d: want 0..%d", s.Capacity, s.Bound, int64(MaxBytes))
+	case s.Untagged < 0 || s.Untagged > MaxBytes:
+		return bad("untagged bytes %d: want 0..%d", s.Untagged, int64(MaxBytes))
+	case len(s.Policy) > MaxPolicyName:
+		return bad("policy name of %d bytes, want at most %d", len(s.Policy), MaxPolicyName)
+	case len(s.BoundFrom) > 64:
+		return bad("bound_from of %d bytes, want at most 64", len(s.BoundFrom))
 	case len(s.Touches) > MaxTouches:
 		return bad("%d touches, want at most %d", len(s.Touches), MaxTouches)
 	case len(s.Adopted) > MaxAdopted:

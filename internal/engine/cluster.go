@@ -69,7 +69,7 @@ func openCluster(e *Engine) error {
 		if err != nil {
 			return fmt.Errorf("%w: mount %s: %w", ErrInvalid, m.root, err)
 		}
-		g := cluster.Group{Idx: m.idx, Root: m.root, Node: e.own.node, Log: e.cfg.Logger, Host: clusterHost{e, m}, Index: e.ix, Space: e.space, Sp: m.sp}
+		g := cluster.Group{Idx: m.idx, Root: m.root, Node: e.own.node, Log: e.cfg.Logger, Host: clusterHost{e, m}, Index: e.ix, Space: e.space, Sp: m.sp, Policy: e.cfg.PolicyName}
 		c, err := cluster.Open(e.fs, g, b, cm.ClusterInterval)
 		if c != nil {
 			m.cluster = c // it keeps no spares (spareCapable)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -27,11 +28,16 @@ const maxRewalkIntervals = 32
 
 // Mount is the cluster state of one mount (Open).
 type Mount struct {
-	Group    // what it works with of the engine's; immutable
-	dir      *clustercap.Dir
-	bound    clustercap.Bound
-	interval time.Duration
-	tag      uint32
+	Group // what it works with of the engine's; immutable
+	dir   *clustercap.Dir
+	// configured is the bound this node's configuration gives; bound
+	// the one in force, agreed with the other nodes (clustercap.Agree:
+	// the smallest configured among the running nodes), under mu.
+	configured clustercap.Bound
+	bound      clustercap.Bound
+	interval   time.Duration
+	tag        uint32
+	run        int64 // when this run started (Summary.Run)
 
 	mu  sync.Mutex // guards the rest; one claim or tick at a time
 	own int64      // own bytes at the last count, plus reservations since
@@ -47,6 +53,7 @@ type Mount struct {
 	clusterAdoption
 	clusterFlocks
 	clusterTwin
+	clusterAgree
 	lost  bool  // the last read or write of the directory failed
 	since int64 // foreign uses after this time are reported (Unix ns)
 	// floor holds, per file id of this node's, the highest rank another
@@ -88,6 +95,30 @@ type clusterView struct {
 	// FitsBound): a node that counted them as holding nothing could take
 	// the room their files take.
 	unknown map[string]bool
+}
+
+// clusterAgree is what this node checked of the others' summaries: the
+// bound agreed, claims that cannot hold, other policies and rank scales,
+// and the files the summaries must count (guarded by Mount.mu).
+type clusterAgree struct {
+	from    string           // the node whose configured capacity the bound is
+	capSaid map[string]int64 // the peers whose other capacity was logged, with it
+	// untenable holds the summaries whose claim cannot hold, ignored
+	// (logged once while they stay so).
+	untenable map[string]bool
+	policies  map[string]string // the peers of another policy logged, with it
+	odd       map[string]bool   // the peers whose ranks were logged as of another scale
+	// files holds, by owner tag, the bytes of the other nodes' files this
+	// node indexes on the mount (count): a summary counts at least them.
+	files map[uint32]int64
+	// untagged is the bytes of files without an owner tag this node
+	// indexes on the mount (count), one of them at untaggedPath;
+	// untaggedAll the most any running node reports (read), counted
+	// against the bound once (others); untaggedSaid the amount last
+	// logged.
+	untagged, untaggedAll, untaggedSaid int64
+	untaggedPath, untaggedFrom          string
+	forgedSaid                          bool // a summary under this node's name that it did not write was logged
 }
 
 // clusterAdoption is the dead nodes this node adopted on a cluster mount
@@ -156,12 +187,16 @@ type clusterTwin struct {
 	// copied: at the last tick another process held this node's lock file
 	// (clustercap.Dir.Relock), a second copy of this node: set the twin.
 	copied bool
+	// heldTicks counts the ticks running at which another process held
+	// it: a second copy is logged as such at the second (relock).
+	heldTicks int
 }
 
 // lockProbe is this node's probing of a running node's lock (probeLocks).
 type lockProbe struct {
 	at   int64  // the last probe (Unix ns)
 	seq  uint64 // the node's summary at the last probe that found the lock free
+	run  int64  // the node's run (Summary.Run) at that probe
 	free int    // probes that found it free, each with the node's summary grown since the last
 	said bool   // logged that flocks are not shared with it
 }
@@ -207,6 +242,8 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 	dead := *c.dead.Load()
 	var foreign []ranked // used since c.since: touches
 	var indexed int64
+	files := make(map[uint32]int64, len(c.files))
+	c.untagged, c.untaggedPath = 0, ""
 	c.Index.Each(func(en *index.Entry) {
 		if en.Mount != c.Idx {
 			return
@@ -214,14 +251,26 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 		indexed += en.Size
 		o, ok := clustercap.Owner(en.FID)
 		switch {
-		case ok && (o == c.tag || dead[o]):
+		case !ok:
+			// Written by a kvhost before owner tags: no summary counts it
+			// but as untagged bytes (others).
+			c.untagged += en.Size
+			if c.untaggedPath == "" || en.Path < c.untaggedPath {
+				c.untaggedPath = en.Path
+			}
+			return
+		case o == c.tag || dead[o]:
 			own = append(own, ranked{en, rank(en)})
 			bytes += en.Size
-		case ok && en.Last > c.since && len(foreign) < clustercap.MaxTouches:
+			return
+		}
+		files[o] += en.Size
+		if en.Last > c.since && len(foreign) < clustercap.MaxTouches {
 			foreign = append(foreign, ranked{en, rank(en)})
 			touches = append(touches, clustercap.Touch{ID: en.FID, Time: en.Last})
 		}
 	})
+	c.files = files
 	used, _ := c.Space.Usage(c.Sp)
 	// Reservations and files on their way out, and grants the space has
 	// not reserved yet: a grant moves from pending to used in one hold of
@@ -399,7 +448,13 @@ func (c *Mount) read(ctx context.Context) error {
 	// adoptProven notes a dead node for adoption where flocks are found
 	// shared with it, else notes it unproven.
 	adoptProven := func(node string, tag uint32, run int64) {
-		if c.shared[node] {
+		// A node whose lock file is not on the mount never ran there (or
+		// its lock file went, and it did not lock it again for as long as
+		// its summary went stale): whatever the flocks, nothing runs
+		// under its name, and its summary goes once its files do,
+		// whatever its date (a summary dated in the past, no node ever
+		// paired with, stayed for good).
+		if c.shared[node] || c.dir.LockMissing(node) {
 			proven = append(proven, deadNode{node, tag, run})
 		} else {
 			unproven[node] = true
@@ -442,6 +497,7 @@ func (c *Mount) read(ctx context.Context) error {
 			}
 		}
 	}
+	deadSums = c.agree(now, deadSums)
 	if twin == "" && c.copied {
 		twin = c.Node + " (another copy: it holds this node's lock file)"
 	}
@@ -499,6 +555,100 @@ func (c *Mount) read(ctx context.Context) error {
 	return nil
 }
 
+// agree checks the summaries of the last read: the live peers' (c.peers)
+// and the dead nodes' (dead, returned without those it ignores). A claim
+// that cannot hold under the bound (clustercap.Untenable; a forged one
+// of 2^62 bytes) is ignored, with one log line naming the summary file,
+// unless its node's lock is held (a running node restarted with a bound
+// above the agreed one: it evicts down at its next tick). The bound in
+// force becomes the one agreed among this node and the live peers
+// counted (clustercap.Agree), logged once per peer whose configured one
+// differs from this node's. A peer's summary counts at least the files of
+// its owner tag this node indexes (clustercap.AtLeast). A peer of another
+// policy, or ranking on another scale (clustercap.OddRanks), is named in
+// a warning, once. The untagged files counted are the most any running
+// node reports (named in a warning while there are any). Called with c.mu
+// held.
+func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summary {
+	first, _ := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
+	untenable := map[string]bool{}
+	ignore := func(s *clustercap.Summary, why string) {
+		untenable[s.Node] = true
+		if !c.untenable[s.Node] {
+			c.Log.Warn("engine: cluster: a summary states a claim that cannot hold: ignored (a forged or corrupt summary); remove the file if no such node runs",
+				"mount", c.Root, "summary", c.dir.SummaryPath(s.Node), "why", why)
+		}
+	}
+	kept := c.peers[:0]
+	for _, p := range c.peers {
+		if why := clustercap.Untenable(p, first); why != "" {
+			if free, err := c.dir.LockFree(p.Node); err != nil || free {
+				ignore(p, why)
+				continue
+			}
+		}
+		kept = append(kept, p)
+	}
+	c.peers = kept
+	bound, from := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
+	var counted []*clustercap.Summary
+	for _, s := range dead {
+		if why := clustercap.Untenable(s, bound); why != "" {
+			ignore(s, why)
+			continue
+		}
+		counted = append(counted, s)
+	}
+	c.untenable = untenable
+	if bound != c.bound.Capacity || from != c.from {
+		c.Log.Info("engine: cluster: the bound in force", "mount", c.Root, "bound", bound, "from", from, "configured", c.configured.Capacity)
+	}
+	c.bound, c.from = c.configured.WithCapacity(bound), from
+	own := c.lastSketch()
+	ownOdd := clustercap.OddRanks(own, now)
+	capSaid, policies, odd := map[string]int64{}, map[string]string{}, map[string]bool{}
+	c.untaggedAll, c.untaggedFrom = c.untagged, c.Node
+	for i, p := range c.peers {
+		if p.Tag != c.tag {
+			c.peers[i] = clustercap.AtLeast(p, c.files[p.Tag])
+		}
+		if p.Untagged > c.untaggedAll {
+			c.untaggedAll, c.untaggedFrom = p.Untagged, p.Node
+		}
+		if p.Capacity > 0 && p.Capacity != c.configured.Capacity {
+			capSaid[p.Node] = p.Capacity
+			if c.capSaid[p.Node] != p.Capacity {
+				c.Log.Warn("engine: cluster: another node configures another cluster_capacity for this mount; every node bounds the mount by the smallest a running node configures",
+					"mount", c.Root, "node", p.Node, "its_capacity", p.Capacity, "this_capacity", c.configured.Capacity, "bound", bound, "bound_from", from)
+			}
+		}
+		if p.Policy != "" && c.Policy != "" && p.Policy != c.Policy {
+			policies[p.Node] = p.Policy
+			if c.policies[p.Node] != p.Policy {
+				c.Log.Warn("engine: cluster: another node runs another placement policy: the nodes' ranks do not compare, so the cluster's cut-off evicts one node's files before the other's whatever their use; run one policy on every node of a mount",
+					"mount", c.Root, "node", p.Node, "its_policy", p.Policy, "this_policy", c.Policy)
+			}
+		}
+		if len(own.Ranks) > 0 && len(p.Sketch.Ranks) > 0 && clustercap.OddRanks(p.Sketch, now) != ownOdd {
+			odd[p.Node] = true
+			if !c.odd[p.Node] {
+				c.Log.Warn("engine: cluster: another node ranks its files on another scale than this node (not Unix nanoseconds of use on one of them: a policy's rank in seconds, or a constant?): the cluster's cut-off evicts one node's files before the other's whatever their use",
+					"mount", c.Root, "node", p.Node, "its_top_rank", p.Sketch.Ranks[len(p.Sketch.Ranks)-1], "this_top_rank", own.Ranks[len(own.Ranks)-1])
+			}
+		}
+	}
+	c.capSaid, c.policies, c.odd = capSaid, policies, odd
+	switch {
+	case c.untaggedAll == 0:
+		c.untaggedSaid = 0
+	case c.untaggedSaid == 0 || c.untaggedAll >= 2*c.untaggedSaid:
+		c.untaggedSaid = c.untaggedAll
+		c.Log.Warn("engine: cluster: files without an owner tag (written by a kvhost before owner tags, or one without a cluster capacity, beside the cluster) are on the mount: they count against the bound, and no node evicts them; stop the daemon that writes them, and remove them or give it the cluster's settings",
+			"mount", c.Root, "bytes", c.untaggedAll, "found_by", c.untaggedFrom, "bound", bound, "example", c.untaggedPath)
+	}
+	return counted
+}
+
 // forgetGone forgets the pairings and probes of the nodes that have no
 // summary on the mount any more, readable (read) or not (c.bad): retired
 // (by this node or another), or removed by hand. Nodes come and go under
@@ -547,6 +697,11 @@ func (c *Mount) probeLocks(fresh []*clustercap.Summary, now int64) {
 			c.shared[s.Node] = true
 			delete(c.probes, s.Node)
 			c.Log.Debug("engine: cluster: flocks shared with another node", "mount", c.Root, "node", s.Node)
+		case s.Run != p.run:
+			// Another run of the node since the last free probe: it
+			// restarted in between (its lock free while it was down), which
+			// says nothing of whether flocks reach it. Counted anew.
+			p.free, p.seq, p.run = 1, s.Seq, s.Run
 		case p.free == 0 || s.Seq > p.seq:
 			p.free++
 			p.seq = s.Seq
@@ -723,8 +878,17 @@ func (c *Mount) releaseAll() {
 // its own: the live peers' and the unclaimed dead nodes'. Called with
 // c.mu held.
 func (c *Mount) others() []*clustercap.Summary {
-	return slices.Concat(c.peers, c.unclaimed)
+	out := slices.Concat(c.peers, c.unclaimed)
+	if c.untaggedAll > 0 {
+		// Files without an owner tag: counted once, as the most any
+		// running node found (agree); no node's to evict.
+		out = append(out, &clustercap.Summary{Node: untaggedNode, Bytes: c.untaggedAll, Claim: c.untaggedAll})
+	}
+	return out
 }
+
+// untaggedNode names, in others, the files without an owner tag.
+const untaggedNode = "(files without an owner tag)"
 
 // cutsOf is others for Decide at now (Unix ns): the cut-offs of the
 // summaries that may have stood, as this node saw them, longer than the
@@ -757,7 +921,8 @@ func (c *Mount) publish(sketch clustercap.Sketch, touches []clustercap.Touch, cu
 	c.seq++
 	c.claim = max(c.claim, c.own)
 	s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: c.Node, Tag: c.tag, Seq: c.seq, Time: c.Host.Now().UnixNano(),
-		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches, Adopted: c.adoptedNames(), LockShared: c.lockShared()}
+		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches, Adopted: c.adoptedNames(), LockShared: c.lockShared(),
+		Capacity: c.configured.Capacity, Bound: c.bound.Capacity, BoundFrom: c.from, Policy: c.Policy, Run: c.run, Untagged: c.untagged}
 	switch {
 	case cut > 0:
 		s.Cut, s.CutTime = cut, s.Time
@@ -812,6 +977,7 @@ func (c *Mount) Tick(ctx context.Context) {
 			sketch = clustercap.NewSketch(items, clustercap.SketchPoints)
 		}
 	}
+	c.checkOwn()
 	// A tick only lowers the claim: raising it is reserve's write-then-read.
 	c.claim = min(c.claim, c.own+c.bound.Grant(len(c.peers)+1, 0))
 	cut := uint64(0)
@@ -829,6 +995,36 @@ func (c *Mount) Tick(ctx context.Context) {
 	}
 }
 
+// checkOwn checks that the summary under this node's name is the last
+// one it published: one that is not (a summary forged under its name, say
+// claiming nothing, which the others would count instead of its files)
+// is logged, once while it recurs, and the publication that follows
+// overwrites it. Called with c.mu held, before a tick's publication.
+func (c *Mount) checkOwn() {
+	if c.pub == nil {
+		return
+	}
+	s, err := c.dir.ReadSummary(c.Node)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return // removed (retired, or by hand): published anew
+	case err == nil && s.Seq == c.pub.Seq && s.Time == c.pub.Time && s.Bytes == c.pub.Bytes && s.Claim == c.pub.Claim && s.Run == c.pub.Run:
+		c.forgedSaid = false
+		return
+	case err != nil && !errors.Is(err, clustercap.ErrSummary):
+		return // unreadable: the publication tells
+	}
+	if !c.forgedSaid {
+		var bytes, claim int64
+		if s != nil {
+			bytes, claim = s.Bytes, s.Claim
+		}
+		c.Log.Warn("engine: cluster: the summary under this node's name is not the one it wrote (written by another process: a forged summary, or a second copy of this node); overwriting it",
+			"mount", c.Root, "summary", c.dir.SummaryPath(c.Node), "its_bytes", bytes, "its_claim", claim, "bytes", c.own, "claim", c.claim, "err", err)
+	}
+	c.forgedSaid = true
+}
+
 // relock checks that this node's lock is still on the file at its lock
 // path, and locks the file there anew where it is not (Dir.Relock): a
 // node that took this one for dead may have retired it, removing its lock
@@ -840,8 +1036,15 @@ func (c *Mount) relock() {
 	renewed, err := c.dir.Relock()
 	switch {
 	case errors.Is(err, clustercap.ErrNodeLocked):
-		if !c.copied {
-			c.Log.Error("engine: cluster: another process holds this node's lock file, which this node no longer held: a second copy of this node runs on the mount (or another node probes it a moment); removing none of this node's files until it can lock it again",
+		// Another node's probe holds the lock for a moment (one that read
+		// this node's summary stale, as after the directory came back):
+		// only a lock held at two ticks running is a second copy.
+		switch c.heldTicks++; c.heldTicks {
+		case 1:
+			c.Log.Warn("engine: cluster: another process holds this node's lock file, which this node no longer held (another node's probe, for a moment, or a second copy of this node); removing none of this node's files until it can lock it again",
+				"mount", c.Root, "node", c.Node, "err", err)
+		case 2:
+			c.Log.Error("engine: cluster: another process still holds this node's lock file: a second copy of this node runs on the mount; removing none of this node's files until it can lock it again",
 				"mount", c.Root, "node", c.Node, "err", err)
 		}
 		c.copied = true
@@ -854,6 +1057,9 @@ func (c *Mount) relock() {
 	if c.copied && err == nil {
 		c.Log.Info("engine: cluster: this node holds its lock file again", "mount", c.Root, "node", c.Node)
 		c.copied = false
+	}
+	if err == nil {
+		c.heldTicks = 0
 	}
 }
 
@@ -969,6 +1175,8 @@ func (c *Mount) Reserve(ctx context.Context, size int64) error {
 				why = twin
 			} else if len(c.unknown) > 0 {
 				why = fmt.Sprintf("its claim grows no further while the summary of node %q, which may be running, cannot be used", slices.Sorted(maps.Keys(c.unknown))[0])
+			} else if c.untaggedAll > 0 {
+				why = fmt.Sprintf("no evictable file of its own left, and %d bytes of files without an owner tag count against the bound", c.untaggedAll)
 			}
 			return &NoSpaceError{Root: c.Root, Own: c.own, Limit: limit, Capacity: c.bound.Capacity, Size: size, Why: why}
 		}

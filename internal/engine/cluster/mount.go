@@ -26,6 +26,9 @@ type Group struct {
 	Index *index.Index
 	Space *space.Space
 	Sp    *space.Mount // the mount's space
+	// Policy names the placement policy in this node's summaries ("":
+	// none said): a peer of another policy is named in a warning.
+	Policy string
 }
 
 // Host is what a cluster mount asks of the engine.
@@ -91,7 +94,9 @@ func Open(fs fsys.FS, g Group, bound clustercap.Bound, interval time.Duration) (
 	if err != nil {
 		return nil, err
 	}
-	c := &Mount{Group: g, dir: dir, bound: bound, interval: interval, tag: clustercap.Tag(g.Node), floor: map[uint64]uint64{}, ahead: map[uint64]int64{},
+	c := &Mount{Group: g, dir: dir, bound: bound, configured: bound, interval: interval, tag: clustercap.Tag(g.Node), floor: map[uint64]uint64{}, ahead: map[uint64]int64{},
+		run:             g.Host.Now().UnixNano(),
+		clusterAgree:    clusterAgree{from: g.Node, capSaid: map[string]int64{}, untenable: map[string]bool{}, policies: map[string]string{}, odd: map[string]bool{}, files: map[uint32]int64{}},
 		clusterView:     clusterView{bad: map[string]bool{}, unknown: map[string]bool{}},
 		clusterAdoption: clusterAdoption{walked: map[uint32]int64{}, temps: map[string]uint32{}},
 		clusterFlocks:   clusterFlocks{shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}}}
@@ -118,8 +123,14 @@ func (c *Mount) Close() { c.dir.Close() }
 // Interval is the mount's cluster interval: a Tick is due each.
 func (c *Mount) Interval() time.Duration { return c.interval }
 
-// Capacity is the cluster's capacity of the mount.
-func (c *Mount) Capacity() int64 { return c.bound.Capacity }
+// Capacity is the cluster's capacity of the mount: the bound the nodes
+// agreed on as last read (clustercap.Agree), at most this node's
+// configured one.
+func (c *Mount) Capacity() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.bound.Capacity
+}
 
 // FileID draws the id of a file about to be written, tagged with this
 // node's owner tag.
