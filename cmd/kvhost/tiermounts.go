@@ -38,7 +38,7 @@ func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config,
 		rep.add(levelOK, "policy", fmt.Sprintf("policy %s loads (features %s)", name, features), "")
 		return
 	}
-	if why := kvdaemon.SingleMountPolicy(name, features, mounts); why != "" {
+	if why := kvdaemon.SingleMountPolicy(name, cfg.Policy.Params, features, mounts); why != "" {
 		rep.add(levelWarn, "policy", why, `policy.name = "tiered" (examples/tiered.toml)`)
 		return
 	}

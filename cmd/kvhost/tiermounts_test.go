@@ -50,23 +50,52 @@ func TestCheckWarnsWhenASingleMountPolicyGetsTwoMounts(t *testing.T) {
 			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			var out, errb bytes.Buffer
-			run(context.Background(), []string{"check", "--config", file, "--json"}, &out, &errb)
-			var rep checkReport
-			if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
-				t.Fatalf("check --json: %v\n%s\n%s", err, out.String(), errb.String())
-			}
-			var got []checkItem
-			for _, it := range rep.Items {
-				if it.Area == "policy" {
-					got = append(got, it)
-				}
-			}
+			got := policyFindings(t, file)
 			if len(got) != 1 || got[0].Level != tc.level {
 				t.Fatalf("policy findings %+v, want one %s", got, tc.level)
 			}
 		})
 	}
+}
+
+// TestCheckNamesTheMountLRUsMountParamPicks: kvhost check of lru with
+// policy.params.mount = 1 and two mounts warns that every file goes to
+// the second mount (the policy's mounts count from 0), naming its path
+// and not the first's.
+func TestCheckNamesTheMountLRUsMountParamPicks(t *testing.T) {
+	dir := t.TempDir()
+	hot, cold := filepath.Join(dir, "hot"), filepath.Join(dir, "cold")
+	file := filepath.Join(dir, "lru1.toml")
+	src := fmt.Sprintf("[policy]\nname = \"lru\"\n\n[policy.params]\nmount = 1\n\n[[mount]]\npath = %q\n\n[[mount]]\npath = %q\n", hot, cold)
+	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	got := policyFindings(t, file)
+	if len(got) != 1 || got[0].Level != levelWarn {
+		t.Fatalf("policy findings %+v, want one %s", got, levelWarn)
+	}
+	if what := got[0].What; !strings.Contains(what, cold) || strings.Contains(what, hot) || strings.Contains(what, "first") {
+		t.Fatalf("the finding %q: want it to name the second mount %s, not the first %s", what, cold, hot)
+	}
+}
+
+// policyFindings runs kvhost check --json on the configuration file and
+// returns its findings about the policy.
+func policyFindings(t *testing.T, file string) []checkItem {
+	t.Helper()
+	var out, errb bytes.Buffer
+	run(context.Background(), []string{"check", "--config", file, "--json"}, &out, &errb)
+	var rep checkReport
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatalf("check --json: %v\n%s\n%s", err, out.String(), errb.String())
+	}
+	var got []checkItem
+	for _, it := range rep.Items {
+		if it.Area == "policy" {
+			got = append(got, it)
+		}
+	}
+	return got
 }
 
 // TestTieredExampleIsAMemoryAndDiskDaemon: examples/tiered.toml loads,

@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -382,11 +383,16 @@ func PolicyFault(cfg config.Config, err error) (string, error) {
 // mounts.
 const mountAware = abi.FeatureAdmitMount | abi.FeatureDemote
 
-// SingleMountPolicy says why the policy name, declaring features f,
-// leaves every kvhost mount but the first empty, or "" where it places
-// files by mount or is given one kvhost mount (vllm-fs mounts serve their
-// own namespace and do not count).
-func SingleMountPolicy(name string, f abi.Feature, mounts []config.Mount) string {
+// SingleMountPolicy says why the policy name, declaring features f and
+// given params ([policy.params]), leaves every kvhost mount but one
+// empty, or "" where it places files by mount or is given one kvhost
+// mount (vllm-fs mounts serve their own namespace and do not count). The
+// mount it names is the one the policy places files on: its `mount`
+// parameter (the built-in lru's, and any plugin built on its kit), which
+// counts kvhost mounts from 0 in [[mount]] order, as the engine numbers
+// them for the policy; the first mount where it is not given (or does
+// not name one of them: the policy refuses it at start).
+func SingleMountPolicy(name string, params map[string]any, f abi.Feature, mounts []config.Mount) string {
 	var paths []string
 	for _, m := range mounts {
 		if m.Layout != config.LayoutVLLMFS {
@@ -396,12 +402,23 @@ func SingleMountPolicy(name string, f abi.Feature, mounts []config.Mount) string
 	if len(paths) < 2 || f&mountAware != 0 {
 		return ""
 	}
-	return fmt.Sprintf("the policy %s places every file on the first mount (%s): the other %d mounts stay empty and the first evicts when it fills; use the built-in tiered policy (policy.name = \"tiered\", docs/config.md) or a plugin that places files by mount",
-		filepath.Base(name), paths[0], len(paths)-1)
+	at, which := 0, "the first mount"
+	if v, given := params["mount"]; given {
+		if i, err := strconv.Atoi(fmt.Sprint(v)); err == nil && i >= 0 && i < len(paths) {
+			at = i
+			which = fmt.Sprintf("mount %d (policy.params.mount = %d; mounts count from 0 in [[mount]] order)", i, i)
+		}
+	}
+	others := "the other " + strconv.Itoa(len(paths)-1) + " mounts stay"
+	if len(paths) == 2 {
+		others = "the other mount stays"
+	}
+	return fmt.Sprintf("the policy %s places every file on %s, %s: %s empty and %s evicts when it fills; use the built-in tiered policy (policy.name = \"tiered\", docs/config.md) or a plugin that places files by mount",
+		filepath.Base(name), which, paths[at], others, paths[at])
 }
 
 // SingleMountMsg is the message of WarnSingleMount's log line.
-const SingleMountMsg = "policy: several mounts, but the policy uses the first only"
+const SingleMountMsg = "policy: several mounts, but the policy uses one only"
 
 // WarnSingleMount logs SingleMountPolicy's warning for the policy b now
 // runs, if any.
@@ -410,7 +427,7 @@ func WarnSingleMount(log *slog.Logger, b *Policy, mounts []config.Mount) {
 	if b.host != nil {
 		f = b.host.Features()
 	}
-	if why := SingleMountPolicy(b.Name, f, mounts); why != "" {
+	if why := SingleMountPolicy(b.Name, b.Config.Params, f, mounts); why != "" {
 		log.Warn(SingleMountMsg, "policy", b.Name, "why", why)
 	}
 }

@@ -205,12 +205,44 @@ func TestSingleMountPolicyIsNamedOnlyWithSeveralKvhostMounts(t *testing.T) {
 		{"demotion only, two mounts", abi.FeatureDemote, two, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			why := SingleMountPolicy("lru", tc.f, tc.mounts)
+			why := SingleMountPolicy("lru", nil, tc.f, tc.mounts)
 			if (why != "") != tc.warn {
 				t.Fatalf("SingleMountPolicy = %q, want a warning: %v", why, tc.warn)
 			}
 			if tc.warn && (!strings.Contains(why, "/a") || !strings.Contains(why, "tiered")) {
 				t.Errorf("the warning %q names neither the first mount nor the tiered policy", why)
+			}
+		})
+	}
+}
+
+// TestSingleMountPolicyNamesTheMountItsMountParamPicks: lru with
+// policy.params.mount = 1 places every file on the second kvhost mount
+// (the policy's mounts count from 0), and the warning names that mount,
+// not the first; without the parameter, or with one naming no mount, it
+// names the first.
+func TestSingleMountPolicyNamesTheMountItsMountParamPicks(t *testing.T) {
+	mounts := []config.Mount{{Path: "/hot"}, {Path: "/cold"}, {Path: "/v", Layout: config.LayoutVLLMFS}}
+	for _, tc := range []struct {
+		name     string
+		params   map[string]any
+		want     string
+		wantNot  string
+		wantText string
+	}{
+		{"no mount param", nil, "/hot", "/cold", "the first mount"},
+		{"mount = 0", map[string]any{"mount": int64(0)}, "/hot", "/cold", "mount 0"},
+		{"mount = 1", map[string]any{"mount": int64(1)}, "/cold", "/hot", "mount 1"},
+		{"mount = 1 as a string", map[string]any{"mount": "1"}, "/cold", "/hot", "mount 1"},
+		{"mount = 2 (the vllm-fs mount is not the policy's)", map[string]any{"mount": int64(2)}, "/hot", "/cold", "the first mount"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			why := SingleMountPolicy("lru", tc.params, abi.FeatureNamespace, mounts)
+			if !strings.Contains(why, tc.want) || strings.Contains(why, tc.wantNot) || !strings.Contains(why, tc.wantText) {
+				t.Fatalf("the warning %q: want it to name %s as %q and not %s", why, tc.want, tc.wantText, tc.wantNot)
+			}
+			if tc.want != "/hot" && strings.Contains(why, "first") {
+				t.Errorf("the warning %q says first of a policy placing on mount 1", why)
 			}
 		})
 	}
