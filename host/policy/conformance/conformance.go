@@ -7,8 +7,10 @@
 //
 // The host rejects any invalid output (a path escaping the cache root, an
 // unknown or pinned victim, a failure status, a trap or an overrun); the
-// suite counts a single rejection as a failure and reports the host's
-// message.
+// suite counts a single rejection as a failure of the check during which
+// it happened, with the host's message, so that every broken rule is
+// named by its own check. RunPolicy runs the same suite on a native Go
+// policy (guest.Policy), as the host's fallback runs one.
 package conformance
 
 import (
@@ -27,6 +29,7 @@ import (
 	"github.com/tetratelabs/wazero"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/policytest"
 )
@@ -202,6 +205,23 @@ func StatsLine(st policy.Stats) string {
 // Run runs the suite on module. It never panics on a hostile module: every
 // problem is a failed check in the Report, naming the rule broken.
 func Run(ctx context.Context, module []byte, opts Options) Report {
+	return run(ctx, module, nil, opts)
+}
+
+// RunPolicy runs the suite on a native Go policy: newPolicy builds the
+// policy of one shard, as policy.NewNative takes it. The checks are those
+// of Run but for the sandbox's (memory, fuel), which do not apply to
+// native code; a vendor checks a policy's logic with it before building
+// the module, and kvhost's tests hold one-defect variants of the
+// built-in policies to the rules with it.
+func RunPolicy(ctx context.Context, newPolicy func() guest.Policy, opts Options) Report {
+	if newPolicy == nil {
+		return Report{Plugin: opts.Name, Checks: []Check{{Name: "load", Rule: ruleLoad, Message: "no policy: a nil constructor"}}}
+	}
+	return run(ctx, nil, newPolicy, opts)
+}
+
+func run(ctx context.Context, module []byte, native func() guest.Policy, opts Options) Report {
 	if opts.Name == "" {
 		opts.Name = "plugin"
 	}
@@ -217,12 +237,14 @@ func Run(ctx context.Context, module []byte, opts Options) Report {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	if opts.Cache == nil {
+	if opts.Cache == nil && native == nil {
 		cache := wazero.NewCompilationCache()
 		defer cache.Close(ctx)
 		opts.Cache = cache
 	}
-	s := &suite{ctx: ctx, module: module, opts: opts, now: startTime,
+	fails := &failureLog{}
+	s := &suite{ctx: ctx, module: module, native: native, opts: opts, now: startTime,
+		fails: fails, logger: slog.New(&failureHandler{next: opts.Logger.Handler(), log: fails}),
 		report: Report{Plugin: opts.Name, Deadline: opts.CallTimeout},
 		times:  map[string][]time.Duration{}, records: map[string]int{}}
 	s.run()
@@ -237,9 +259,14 @@ const startTime = 1_700_000_000_000_000_000
 // suite is the state of one run.
 type suite struct {
 	ctx    context.Context
-	module []byte
+	module []byte              // the wasm module, or nil for native
+	native func() guest.Policy // the native policy, or nil for module
 	opts   Options
 	report Report
+	// fails holds the plugin failures every host of the run logged, and
+	// logger (opts.Logger's handler behind it) is what fills it.
+	fails  *failureLog
+	logger *slog.Logger
 
 	host *policy.Host
 	idx  *policytest.Index
@@ -258,8 +285,43 @@ type suite struct {
 }
 
 func (s *suite) config(shards int) policy.Config {
+	logger := s.logger
+	if logger == nil {
+		logger = s.opts.Logger
+	}
 	return policy.Config{Shards: shards, CallTimeout: s.opts.CallTimeout, MemoryLimit: s.opts.MemoryLimit,
-		Params: s.opts.Params, Cache: s.opts.Cache, Logger: s.opts.Logger, OnCall: s.observe}
+		Params: s.opts.Params, Cache: s.opts.Cache, Logger: logger, OnCall: s.observe}
+}
+
+// open opens a host of the plugin (module or native policy) over idx.
+func (s *suite) open(idx policy.Index, shards int) (*policy.Host, error) {
+	return s.openConfig(idx, s.config(shards))
+}
+
+func (s *suite) openConfig(idx policy.Index, cfg policy.Config) (*policy.Host, error) {
+	if s.native != nil {
+		return policy.NewNative(s.native, idx, cfg)
+	}
+	return policy.Open(s.ctx, s.module, s.opts.Name, idx, cfg)
+}
+
+// fresh opens a host of shards instances over a new index, with the
+// suite's namespaces declared. The caller closes the host.
+func (s *suite) fresh(shards int) (*policy.Host, *policytest.Index, error) {
+	idx := policytest.NewIndex()
+	h, err := s.open(idx, shards)
+	if err != nil {
+		return nil, nil, fmt.Errorf("opening a host of %d shards: %w", shards, err)
+	}
+	for _, in := range namespaceFixtures() {
+		out, err := h.Namespace(s.ctx, in)
+		if err != nil {
+			h.Close(s.ctx)
+			return nil, nil, err
+		}
+		idx.AddNamespace(out)
+	}
+	return h, idx, nil
 }
 
 // observe records the time of one call into the plugin.
@@ -301,21 +363,31 @@ func percentile(d []time.Duration, p int) time.Duration {
 
 // Rules of docs/abi.md, one per check.
 const (
-	ruleLoad       = "the module implements ABI v1: required exports with their signatures, kvhost_abi_version 1, known feature bits, allowed imports, a valid scratch area; and kvhost_init accepts the configuration it is given (-param here, [policy.params] in the daemon) (docs/abi.md: Exports, Imports, The scratch area, Configuration)"
-	ruleNamespaces = "kvhost_namespace returns keys_per_file 1..256 and order 0 or 1, the same each time a namespace is declared (docs/abi.md: NamespaceRecord)"
-	ruleBatches    = "hooks take 1..1024 records per call, kvhost_evict returns at most max victims, and a key gets the same name in any batch (docs/abi.md: n, max and batches)"
-	ruleNames      = "every path is 1..256 bytes of [A-Za-z0-9._-/], relative, with no empty or dot-led component, on a mount < mount_count; distinct first keys of a namespace get distinct paths, for any keys per file and across mounts, keys that differ in one byte too (docs/abi.md: NameRecord, Rules the host enforces)"
-	ruleDeterm     = "naming is a pure function of the name record and the configuration: the same on every shard, in every host, before and after any events; the same events give the same victims (docs/abi.md: Life cycle)"
-	ruleAdmission  = "kvhost_admit writes 0 or 1 into every record, and does not refuse every store (docs/abi.md: AdmitRecord)"
-	ruleCapacity   = "victims are known, unpinned, on the requested mount, listed once, and cover the bytes asked for when enough unpinned entries exist (docs/abi.md: Victim)"
-	ruleRestore    = "an instance built from RESTORE records knows every entry, whatever its ns; a repeated INSERT or RESTORE updates an entry and keeps its pins, never duplicates it (docs/abi.md: Life cycle, AccessRecord)"
-	ruleUnknown    = "HIT, PIN, UNPIN and REMOVE of unknown entries, and UNPIN without PIN, are accepted and ignored (docs/abi.md: AccessRecord)"
-	ruleRemoved    = "a removed entry is never offered as a victim again (docs/abi.md: AccessRecord)"
-	rulePinned     = "a pinned entry is never a victim until each of its pins is released (docs/abi.md: AccessRecord, Rules the host enforces)"
-	ruleTiming     = "every call finishes within its fuel, the deterministic form of the deadline; how long calls took is reported, not judged (docs/abi.md: Sandbox)"
-	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves at most max entries (the suite asks for 1, 3 and 1024), only known, unpinned entries to another described mount, never twice at once; before any mount description no victim has a target and a tick moves nothing (docs/abi.md: Tiering, Rules the host enforces). A plugin without them passes"
-	ruleRank       = "with FeatureRank: kvhost_rank writes a state (known or unknown) into every record, knows every entry it was told of, ranks an entry by its access history and the time only (the same history under other handles, in a host of another shard count, ranks alike) and never lower after a hit (docs/abi.md: RankRecord). A plugin without it passes"
-	ruleRejections = "the host rejects no output and replaces no instance during the run (docs/abi.md: Rules the host enforces)"
+	ruleLoad          = "the module implements ABI v1: required exports with their signatures, kvhost_abi_version 1, known feature bits, allowed imports, a valid scratch area; and kvhost_init accepts the configuration it is given (-param here, [policy.params] in the daemon) (docs/abi.md: Exports, Imports, The scratch area, Configuration)"
+	ruleNamespaces    = "kvhost_namespace returns keys_per_file 1..256 and order 0 or 1, the same each time a namespace is declared (docs/abi.md: NamespaceRecord)"
+	ruleBatches       = "hooks take 1..1024 records per call, kvhost_evict returns at most max victims, and a key gets the same name in any batch (docs/abi.md: n, max and batches)"
+	ruleNames         = "every path is 1..256 bytes of [A-Za-z0-9._-/], relative, with no empty or dot-led component, on a mount < mount_count; distinct first keys of a namespace get distinct paths, for any keys per file and across mounts, keys that differ in one byte too (docs/abi.md: NameRecord, Rules the host enforces)"
+	ruleDeterm        = "naming is a pure function of the name record and the configuration: the same on every shard, in every host, before and after any events; the same events give the same victims (docs/abi.md: Life cycle)"
+	ruleAdmission     = "kvhost_admit writes 0 or 1 into every record, and does not refuse every store (docs/abi.md: AdmitRecord)"
+	ruleCapacity      = "victims are known, unpinned, on the requested mount, listed once, and cover the bytes asked for when enough unpinned entries exist (docs/abi.md: Victim)"
+	ruleRestore       = "an instance built from RESTORE records knows every entry, whatever its ns; a repeated INSERT or RESTORE updates an entry and keeps its pins, never duplicates it (docs/abi.md: Life cycle, AccessRecord)"
+	ruleUnknown       = "HIT, PIN, UNPIN and REMOVE of unknown entries, and UNPIN without PIN, are accepted and ignored (docs/abi.md: AccessRecord)"
+	ruleRemoved       = "a removed entry is never offered as a victim again (docs/abi.md: AccessRecord)"
+	rulePinned        = "a pinned entry is never a victim until each of its pins is released (docs/abi.md: AccessRecord, Rules the host enforces)"
+	ruleTiming        = "every call finishes within its fuel, the deterministic form of the deadline; how long calls took is reported, not judged (docs/abi.md: Sandbox)"
+	ruleMounts        = "with FEATURE_MOUNTS, kvhost_mounts accepts every description: kvhost mounts first, vllm-fs mounts after them, sent again when usage changes (docs/abi.md: MountRecord, Tiering). A plugin without it passes"
+	ruleAdmitTarget   = "with FEATURE_ADMIT_MOUNT, once the mounts are described, admission's target is a described mount that is not a vllm-fs mount (docs/abi.md: AdmitRecord, Rules the host enforces). A plugin without it passes"
+	ruleDemote        = "with FEATURE_DEMOTE, a victim's target is NO_MOUNT or a described mount other than the victim's, never a vllm-fs mount, with no flag but MOVE_DELETE_IF_FULL; a request for any mount judges each victim's target against its own mount (docs/abi.md: VictimTarget, Rules the host enforces). A plugin without it passes"
+	ruleTick          = "with FEATURE_TICK, a tick returns at most max moves (the suite asks for 1, 3 and 1024), each of a known entry not pinned, to a described mount other than its own that is not a vllm-fs mount, flags 0 (docs/abi.md: Move, Rules the host enforces). A plugin without it passes"
+	ruleRepeat        = "with FEATURE_TICK, a plugin does not ask again to move an entry it asked to move while nothing new is known of it: no record of the entry (its REMOVE ends the move) and no later mount description (docs/abi.md: Tiering, What a tick sees). A plugin without it passes"
+	ruleUndescribed   = "before the first mount description, admission keeps every file on its name's mount, no victim has a target and a tick moves nothing: a namespace's mount_count is no description (docs/abi.md: Tiering, Rules the host enforces). A plugin without the tiering features passes"
+	ruleRank          = "with FEATURE_RANK, kvhost_rank writes a state into every record, ranks an entry by its access history and the time only (the same history under other handles, in a host of another shard count, ranks alike) and never lower after a hit (docs/abi.md: RankRecord, Ranks for a shared mount). A plugin without it passes"
+	ruleRankScale     = "with FEATURE_RANK, a rank is on the scale of Unix nanoseconds: an entry never hit ranks within 24 hours of its last access, and no entry ranks more than 24 hours below its last access (docs/abi.md: Ranks for a shared mount). A plugin without it passes"
+	ruleRankOrder     = "with FEATURE_RANK, ranks are monotone in recency and in hits: of two entries with the same hits, the one used later ranks no lower; of two last used at the same time, the one with more hits ranks no lower; a HIT, whatever its time (another node's use may be older than the last access), lowers no rank (docs/abi.md: Ranks for a shared mount). A plugin without it passes"
+	ruleRankUnknown   = "with FEATURE_RANK, an entry the plugin was told of (and not sent a REMOVE for) is RANK_KNOWN, and any other handle is RANK_UNKNOWN (docs/abi.md: RankRecord). A plugin without it passes"
+	ruleRestoreFields = "RESTORE's time is the file's last access and its hits the file's hit count: with FEATURE_RANK, a restored entry ranks by them as a live one with that last access and that many hits (within 24 hours of the time when never hit; no lower for a later time or more hits; higher for more hits where the plugin's live ranks count hits) (docs/abi.md: AccessRecord). A plugin without FEATURE_RANK passes"
+	ruleMemory        = "a memory.grow the host refuses (past the memory limit) returns -1: the plugin then fails the call (STATUS_NO_MEMORY) or carries on without the memory, never touching pages it did not get; the suite runs it under a limit of its initial memory plus 2 MiB (docs/abi.md: Rules the host enforces, Sandbox). A native policy passes"
+	ruleRejections    = "the host rejects no output and replaces no instance during the run (docs/abi.md: Rules the host enforces)"
 )
 
 // check runs fn as the check name, which enforces rule. A panic in fn (a
@@ -338,6 +410,26 @@ func (s *suite) check(name, rule string, fn func() (string, error)) (ok bool) {
 		c.Message = err.Error()
 	}
 	return c.OK
+}
+
+// strict wraps a check whose rule the host's validation enforces too
+// (tiering targets and moves, ranks): a rejected output or a trap the
+// host recovered from during the check (it rebuilt the instance and
+// retried, so that the retried answer may look right) fails the check,
+// naming the host's message, rather than only the catch-all "no host
+// rejections".
+func (s *suite) strict(fn func() (string, error)) func() (string, error) {
+	return func() (string, error) {
+		before := s.fails.len()
+		msg, err := fn()
+		if err != nil {
+			return msg, err
+		}
+		if f := s.fails.since(before); len(f) > 0 {
+			return "", fmt.Errorf("the host caught %d plugin failures during this check (and rebuilt the instance); the first: %s", len(f), f[0])
+		}
+		return msg, nil
+	}
 }
 
 // panicSite is the function, file and line where the panic being
@@ -375,8 +467,18 @@ func (s *suite) run() {
 	s.check("unknown events", ruleUnknown, s.needNamespaces(s.unknownEvents))
 	s.check("removed entries", ruleRemoved, s.needNamespaces(s.removed))
 	s.check("pinned entries", rulePinned, s.needNamespaces(s.pinned))
-	s.check("tiering", ruleTiering, s.needNamespaces(s.tiering))
-	s.check("rank", ruleRank, s.needNamespaces(s.rank))
+	s.check("mount descriptions", ruleMounts, s.needNamespaces(s.strict(s.mountDescriptions)))
+	s.check("admission targets", ruleAdmitTarget, s.needNamespaces(s.strict(s.admissionTargets)))
+	s.check("demotion targets", ruleDemote, s.needNamespaces(s.strict(s.demotionTargets)))
+	s.check("tick moves", ruleTick, s.needNamespaces(s.strict(s.tickMoves)))
+	s.check("repeated moves", ruleRepeat, s.needNamespaces(s.repeatedMoves))
+	s.check("before mount descriptions", ruleUndescribed, s.needNamespaces(s.strict(s.beforeDescriptions)))
+	s.check("rank", ruleRank, s.needNamespaces(s.strict(s.rank)))
+	s.check("rank scale", ruleRankScale, s.needNamespaces(s.strict(s.withRanked(s.rankScale))))
+	s.check("rank order", ruleRankOrder, s.needNamespaces(s.strict(s.withRanked(s.rankOrder))))
+	s.check("rank unknown", ruleRankUnknown, s.needNamespaces(s.strict(s.withRanked(s.rankUnknown))))
+	s.check("restore fields", ruleRestoreFields, s.needNamespaces(s.strict(s.restoreFields)))
+	s.check("memory limit", ruleMemory, s.needNamespaces(s.memoryLimit))
 	s.check("call timing", ruleTiming, s.callTiming)
 	s.check("no host rejections", ruleRejections, s.rejections)
 }
@@ -402,6 +504,16 @@ func (s *suite) timed(fn func() error) error {
 }
 
 func (s *suite) load() (string, error) {
+	if s.native != nil {
+		s.idx = policytest.NewIndex()
+		h, err := s.open(s.idx, s.opts.Shards)
+		if err != nil {
+			return "", err
+		}
+		s.host = h
+		s.report.Info = policy.Info{ABIVersion: abi.Version, VersionKnown: true, Features: h.Features()}
+		return fmt.Sprintf("native policy, features %s, %d shards", h.Features(), s.opts.Shards), nil
+	}
 	info, err := policy.Inspect(s.ctx, s.module)
 	s.report.Info = info
 	if err != nil {
@@ -639,9 +751,13 @@ func (s *suite) inserts(n int, mount uint32, size uint64) []abi.AccessRecord {
 // event returns an access record of kind on the index entry e.
 func (s *suite) event(e policy.Entry, kind uint32) abi.AccessRecord {
 	s.now += 1000
-	r := abi.AccessRecord{Entry: e.ID, Time: s.now, Size: e.Size, KeyHash: e.KeyHash, Kind: kind, Mount: e.Mount, NS: e.NS}
-	if kind == abi.AccessRestore {
-		r.Time, r.Hits = e.LastAccess, e.Hits
+	// hits is the host's count as of the record: a HIT counts itself.
+	r := abi.AccessRecord{Entry: e.ID, Time: s.now, Size: e.Size, KeyHash: e.KeyHash, Kind: kind, Mount: e.Mount, NS: e.NS, Hits: e.Hits}
+	switch kind {
+	case abi.AccessRestore:
+		r.Time = e.LastAccess
+	case abi.AccessHit:
+		r.Hits++
 	}
 	return r
 }
@@ -735,7 +851,7 @@ func (s *suite) determinism() (string, error) {
 	runOnce := func(label string, shards int) (res result, err error) {
 		res.label = label
 		idx := policytest.NewIndex()
-		h, err := policy.Open(s.ctx, s.module, s.opts.Name, idx, s.config(shards))
+		h, err := s.open(idx, shards)
 		if err != nil {
 			return res, err
 		}
@@ -950,7 +1066,7 @@ func (s *suite) restore() (string, error) {
 			Mount: uint32(i) % ns.MountCount, NS: ns.NS, Hits: uint32(i % 6)})
 	}
 	idx.Apply(recs)
-	h, err := policy.Open(s.ctx, s.module, s.opts.Name, idx, s.config(s.opts.Shards))
+	h, err := s.open(idx, s.opts.Shards)
 	if err != nil {
 		return "", fmt.Errorf("opening a host over %d stored entries: %w", restoreEntries, err)
 	}
@@ -1229,355 +1345,4 @@ func (s *suite) rejections() (string, error) {
 		calls += n
 	}
 	return fmt.Sprintf("%d plugin calls, no failure, no rejected output, no replacement", calls), nil
-}
-
-// tieringFeatures are the feature bits the tiering check exercises.
-const tieringFeatures = abi.FeatureMounts | abi.FeatureAdmitMount | abi.FeatureDemote | abi.FeatureTick
-
-// mountFixtures describes the 4 mounts of the largest namespace fixture,
-// fastest first: a small NVMe, an SSD, a disk and a large shared file
-// system.
-func mountFixtures(used uint64) []abi.MountRecord {
-	classes := []uint32{abi.ClassNVMe, abi.ClassSSD, abi.ClassHDD, abi.ClassNetwork}
-	names := []string{"xfs", "ext4", "ext4", "nfs"}
-	recs := make([]abi.MountRecord, len(classes))
-	for i := range recs {
-		c := uint64(1<<30) << (2 * i)
-		r := &recs[i]
-		r.Mount, r.Class, r.Capacity, r.Used = uint32(i), classes[i], c, min(used, c)
-		r.Free, r.High, r.Low = c-r.Used, c/100*95, c/100*85
-		copy(r.FSName[:], names[i])
-		copy(r.Backend[:], "staging")
-	}
-	return recs
-}
-
-// tiering exercises the tiering hooks a plugin declares: mount
-// descriptions (at start and updated), admission with a target, eviction
-// with targets on each mount, and ticks after repeated hits, with pinned
-// entries; every output goes through the host's validation, and the
-// suite checks the moves against its own index. Moves are applied as the
-// engine applies them (REMOVE of the old handle, INSERT of a new one on
-// the target), and ticks run again.
-func (s *suite) tiering() (string, error) {
-	h := s.host
-	f := h.Features() & tieringFeatures
-	if f == 0 {
-		return "no tiering feature declared: nothing to check (a v1 plugin without them)", nil
-	}
-	var done []string
-	for _, used := range []uint64{0, 1 << 29} {
-		if err := s.timed(func() error { return h.UpdateMounts(s.ctx, mountFixtures(used)) }); err != nil {
-			return "", err
-		}
-	}
-	if f.Has(abi.FeatureMounts) {
-		done = append(done, "4 mount descriptions accepted, twice")
-	}
-	if err := s.removeAll(); err != nil {
-		return "", err
-	}
-	if f.Has(abi.FeatureAdmitMount) {
-		var names []abi.NameRecord
-		for _, ns := range s.ns {
-			for _, k := range keys(32, 0x70+byte(ns.NS)) {
-				names = append(names, nameRecord(ns, k))
-			}
-		}
-		if err := s.name(h, names); err != nil {
-			return "", err
-		}
-		recs := make([]abi.AdmitRecord, len(names))
-		for i, n := range names {
-			s.now += 1000
-			recs[i] = abi.AdmitRecord{KeyHash: n.KeyHash, Size: admitSizes[i%len(admitSizes)] << (i % 8), Time: s.now, NS: n.NS, Mount: n.Mount}
-		}
-		if err := s.timed(func() error { return h.Admit(s.ctx, recs) }); err != nil {
-			return "", err
-		}
-		moved := 0
-		for i, r := range recs {
-			if r.Target >= 4 {
-				return "", fmt.Errorf("admission record %d: target mount %d of 4", i, r.Target)
-			}
-			if r.Target != r.Mount {
-				moved++
-			}
-		}
-		done = append(done, fmt.Sprintf("admission: %d of %d files sent to another mount", moved, len(recs)))
-	}
-	// Entries on mounts 0 and 1, every seventh pinned.
-	for m := range uint32(2) {
-		if err := s.access(h, s.inserts(400, m, 64<<10)); err != nil {
-			return "", err
-		}
-	}
-	var pins []abi.AccessRecord
-	s.idx.Range(func(e policy.Entry) bool {
-		if e.ID%7 == 0 {
-			pins = append(pins, s.event(e, abi.AccessPin))
-		}
-		return true
-	})
-	if err := s.access(h, pins); err != nil {
-		return "", err
-	}
-	if f.Has(abi.FeatureDemote) {
-		demoted, deleted := 0, 0
-		for m := range uint32(2) {
-			_, total := s.entries(m)
-			req := abi.EvictRequest{Bytes: total / 4, Time: s.now, Mount: m}
-			var evs []policy.Eviction
-			if err := s.timed(func() (err error) { evs, err = h.Evictions(s.ctx, req, abi.MaxBatch); return err }); err != nil {
-				return "", err
-			}
-			v := make([]abi.Victim, len(evs))
-			for i, ev := range evs {
-				v[i] = ev.Victim
-				e, _ := s.idx.Lookup(ev.Entry)
-				switch t := ev.Target; {
-				case t.Mount == abi.NoMount:
-					deleted++
-				case t.Mount >= 4 || t.Mount == e.Mount:
-					return "", fmt.Errorf("victim %d (entry %d on mount %d): target mount %d", i, ev.Entry, e.Mount, t.Mount)
-				default:
-					demoted++
-				}
-			}
-			if err := s.checkVictims(v, req, abi.MaxBatch); err != nil {
-				return "", err
-			}
-		}
-		done = append(done, fmt.Sprintf("eviction on mounts 0 and 1: %d victims demoted, %d deleted", demoted, deleted))
-	}
-	if f.Has(abi.FeatureTick) {
-		moves := 0
-		// Small max values too: a tick must honour its max (the daemon
-		// asks for 256 per shard).
-		tickMax := [3]int{1, 3, abi.MaxBatch}
-		for round := range 3 {
-			// Hits, several per entry, on the unpinned entries of mount 1.
-			var hits []abi.AccessRecord
-			s.idx.Range(func(e policy.Entry) bool {
-				if e.Mount == 1 && e.ID%3 == uint64(round) {
-					for range 4 {
-						hits = append(hits, s.event(e, abi.AccessHit))
-					}
-				}
-				return true
-			})
-			if err := s.access(h, hits); err != nil {
-				return "", err
-			}
-			s.now += 1000
-			var mv []abi.Move
-			if err := s.timed(func() (err error) {
-				mv, err = h.Tick(s.ctx, abi.TickRequest{Time: s.now, Interval: uint64(time.Second)}, tickMax[round])
-				return err
-			}); err != nil {
-				return "", fmt.Errorf("tick %d (max %d): %w", round, tickMax[round], err)
-			}
-			var recs []abi.AccessRecord
-			for i, m := range mv {
-				e, ok := s.idx.Lookup(m.Entry)
-				switch {
-				case !ok:
-					return "", fmt.Errorf("tick %d, move %d: entry %d is unknown", round, i, m.Entry)
-				case e.Pins > 0:
-					return "", fmt.Errorf("tick %d, move %d: entry %d is pinned", round, i, m.Entry)
-				case m.Mount >= 4 || m.Mount == e.Mount:
-					return "", fmt.Errorf("tick %d, move %d: entry %d on mount %d to mount %d", round, i, m.Entry, e.Mount, m.Mount)
-				}
-				s.next++
-				in := s.event(e, abi.AccessInsert)
-				in.Entry, in.Mount, in.Time = s.next, m.Mount, e.LastAccess
-				recs = append(recs, s.event(e, abi.AccessRemove), in)
-			}
-			if err := s.access(h, recs); err != nil {
-				return "", err
-			}
-			moves += len(mv)
-		}
-		done = append(done, fmt.Sprintf("3 ticks (max 1, 3, 1024) after hits on mount 1: %d moves, applied as the engine does", moves))
-	}
-	var unpins []abi.AccessRecord
-	s.idx.Range(func(e policy.Entry) bool {
-		for range e.Pins {
-			unpins = append(unpins, s.event(e, abi.AccessUnpin))
-		}
-		return true
-	})
-	if err := s.access(h, unpins); err != nil {
-		return "", err
-	}
-	if err := s.removeAll(); err != nil {
-		return "", err
-	}
-	if f&(abi.FeatureDemote|abi.FeatureTick) != 0 {
-		msg, err := s.undescribed(f)
-		if err != nil {
-			return "", err
-		}
-		done = append(done, msg)
-	}
-	return strings.Join(done, "; "), nil
-}
-
-// undescribed asks a fresh host, whose mounts were never described, for
-// victims on mounts 0 and 1 and for a tick: the daemon describes the
-// mounts before any eviction or tick, so a demotion or move before a
-// description guesses the hierarchy, and the host refuses it. A fresh
-// host, so that the suite's own, described since, is not needed.
-func (s *suite) undescribed(f abi.Feature) (string, error) {
-	idx := policytest.NewIndex()
-	h, err := policy.Open(s.ctx, s.module, s.opts.Name, idx, s.config(s.opts.Shards))
-	if err != nil {
-		return "", err
-	}
-	defer h.Close(s.ctx)
-	for _, in := range namespaceFixtures() {
-		out, err := h.Namespace(s.ctx, in)
-		if err != nil {
-			return "", err
-		}
-		idx.AddNamespace(out)
-	}
-	var total [2]uint64
-	for m := range uint32(2) {
-		recs := s.inserts(200, m, 64<<10)
-		for _, r := range recs {
-			total[r.Mount] += r.Size
-		}
-		idx.Apply(recs)
-		if err := s.timed(func() error { return h.Access(s.ctx, recs) }); err != nil {
-			return "", err
-		}
-	}
-	var what []string
-	if f.Has(abi.FeatureDemote) {
-		for m := range uint32(2) {
-			req := abi.EvictRequest{Bytes: total[m], Time: s.now, Mount: m}
-			if err := s.timed(func() error { _, err := h.Evictions(s.ctx, req, abi.MaxBatch); return err }); err != nil {
-				return "", fmt.Errorf("eviction on mount %d before any mount description: %w", m, err)
-			}
-		}
-		what = append(what, "evictions on mounts 0 and 1")
-	}
-	if f.Has(abi.FeatureTick) {
-		s.now += 1000
-		req := abi.TickRequest{Time: s.now, Interval: uint64(time.Second)}
-		if err := s.timed(func() error { _, err := h.Tick(s.ctx, req, abi.MaxBatch); return err }); err != nil {
-			return "", fmt.Errorf("tick before any mount description: %w", err)
-		}
-		what = append(what, "a tick")
-	}
-	return strings.Join(what, " and ") + " before any mount description: no demotion, no move", nil
-}
-
-// rankEntries is how many entries the rank check tells two hosts of: more
-// than one batch per shard.
-const rankEntries = 1500
-
-// rank tells two fresh hosts (the configured shards and 1) the same
-// history under different handles and compares their ranks; then hits
-// some entries and checks that their ranks did not drop.
-func (s *suite) rank() (string, error) {
-	if !s.host.Features().Has(abi.FeatureRank) {
-		return "no FeatureRank declared: the host ranks entries by their last access; nothing to check", nil
-	}
-	type side struct {
-		h    *policy.Host
-		idx  *policytest.Index
-		base uint64 // handle of entry i: base + step*i
-		step uint64
-	}
-	sides := []*side{{base: 1, step: 1}, {base: 1_000_001, step: 3}}
-	for i, sd := range sides {
-		sd.idx = policytest.NewIndex()
-		for _, ns := range s.ns {
-			sd.idx.AddNamespace(ns)
-		}
-		shards := s.opts.Shards
-		if i == 1 {
-			shards = 1
-		}
-		h, err := policy.Open(s.ctx, s.module, s.opts.Name, sd.idx, s.config(shards))
-		if err != nil {
-			return "", fmt.Errorf("opening a host of %d shards: %w", shards, err)
-		}
-		defer h.Close(s.ctx)
-		sd.h = h
-	}
-	base := s.now
-	history := func(sd *side, i uint64, kind uint32, at uint64) abi.AccessRecord {
-		ns := s.ns[i%uint64(len(s.ns))]
-		return abi.AccessRecord{Entry: sd.base + sd.step*i, Time: at, Size: 4096 * (1 + i%5),
-			KeyHash: abi.KeyHash(fmt.Appendf(nil, "ranked-%d", i)), Kind: kind, NS: ns.NS}
-	}
-	tell := func(sd *side, recs []abi.AccessRecord) error {
-		sd.idx.Apply(recs)
-		return s.timed(func() error { return sd.h.Access(s.ctx, recs) })
-	}
-	ranks := func(sd *side, now uint64, n uint64) ([]abi.RankRecord, error) {
-		recs := make([]abi.RankRecord, n)
-		for i := range recs {
-			recs[i] = abi.RankRecord{Entry: sd.base + sd.step*uint64(i), Time: now}
-		}
-		err := s.timed(func() error { return sd.h.Rank(s.ctx, recs) })
-		return recs, err
-	}
-	for _, sd := range sides {
-		var recs []abi.AccessRecord
-		for i := range uint64(rankEntries) {
-			recs = append(recs, history(sd, i, abi.AccessInsert, base+i*1000))
-		}
-		for i := uint64(0); i < rankEntries; i += 3 {
-			recs = append(recs, history(sd, i, abi.AccessHit, base+(rankEntries+i)*1000))
-			if i%7 == 0 {
-				recs = append(recs, history(sd, i, abi.AccessHit, base+(2*rankEntries+i)*1000))
-			}
-		}
-		if err := tell(sd, recs); err != nil {
-			return "", err
-		}
-	}
-	now := base + 4*rankEntries*1000
-	a, err := ranks(sides[0], now, rankEntries)
-	if err != nil {
-		return "", err
-	}
-	b, err := ranks(sides[1], now, rankEntries)
-	if err != nil {
-		return "", err
-	}
-	for i := range a {
-		switch {
-		case a[i].State != abi.RankKnown:
-			return "", fmt.Errorf("entry %d, told to the plugin: state %d, want %d (known)", a[i].Entry, a[i].State, abi.RankKnown)
-		case b[i].State != abi.RankKnown:
-			return "", fmt.Errorf("entry %d, told to the plugin: state %d, want %d (known)", b[i].Entry, b[i].State, abi.RankKnown)
-		case a[i].Rank != b[i].Rank:
-			return "", fmt.Errorf("the same history ranks %d as entry %d (%d shards) and %d as entry %d (1 shard): a rank must depend only on the history and the time",
-				a[i].Rank, a[i].Entry, s.opts.Shards, b[i].Rank, b[i].Entry)
-		}
-	}
-	var hits []abi.AccessRecord
-	for i := range uint64(100) {
-		hits = append(hits, history(sides[0], i, abi.AccessHit, now+i))
-	}
-	if err := tell(sides[0], hits); err != nil {
-		return "", err
-	}
-	after, err := ranks(sides[0], now+1000, 100)
-	if err != nil {
-		return "", err
-	}
-	for i := range after {
-		if after[i].State != abi.RankKnown || after[i].Rank < a[i].Rank {
-			return "", fmt.Errorf("entry %d ranks %d (state %d) after a hit, %d before: a hit must not lower a rank",
-				after[i].Entry, after[i].Rank, after[i].State, a[i].Rank)
-		}
-	}
-	s.now = now + 1000
-	return fmt.Sprintf("%d entries rank alike under other handles in hosts of %d and 1 shards; 100 hits lowered no rank", rankEntries, s.opts.Shards), nil
 }
