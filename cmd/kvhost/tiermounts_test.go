@@ -50,7 +50,7 @@ func TestCheckWarnsWhenASingleMountPolicyGetsTwoMounts(t *testing.T) {
 			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			got := policyFindings(t, file)
+			got, _ := policyFindings(t, file)
 			if len(got) != 1 || got[0].Level != tc.level {
 				t.Fatalf("policy findings %+v, want one %s", got, tc.level)
 			}
@@ -70,7 +70,7 @@ func TestCheckNamesTheMountLRUsMountParamPicks(t *testing.T) {
 	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	got := policyFindings(t, file)
+	got, _ := policyFindings(t, file)
 	if len(got) != 1 || got[0].Level != levelWarn {
 		t.Fatalf("policy findings %+v, want one %s", got, levelWarn)
 	}
@@ -80,11 +80,11 @@ func TestCheckNamesTheMountLRUsMountParamPicks(t *testing.T) {
 }
 
 // policyFindings runs kvhost check --json on the configuration file and
-// returns its findings about the policy.
-func policyFindings(t *testing.T, file string) []checkItem {
+// returns its findings about the policy, and its exit code.
+func policyFindings(t *testing.T, file string) ([]checkItem, int) {
 	t.Helper()
 	var out, errb bytes.Buffer
-	run(context.Background(), []string{"check", "--config", file, "--json"}, &out, &errb)
+	code := run(context.Background(), []string{"check", "--config", file, "--json"}, &out, &errb)
 	var rep checkReport
 	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
 		t.Fatalf("check --json: %v\n%s\n%s", err, out.String(), errb.String())
@@ -95,7 +95,7 @@ func policyFindings(t *testing.T, file string) []checkItem {
 			got = append(got, it)
 		}
 	}
-	return got
+	return got, code
 }
 
 // TestTieredExampleIsAMemoryAndDiskDaemon: examples/tiered.toml loads,
@@ -143,18 +143,7 @@ func TestCheckFailsAPolicyTheDaemonCannotLoad(t *testing.T) {
 			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			var out, errb bytes.Buffer
-			code := run(context.Background(), []string{"check", "--config", file, "--json"}, &out, &errb)
-			var rep checkReport
-			if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
-				t.Fatalf("check --json: %v\n%s\n%s", err, out.String(), errb.String())
-			}
-			var got []checkItem
-			for _, it := range rep.Items {
-				if it.Area == "policy" {
-					got = append(got, it)
-				}
-			}
+			got, code := policyFindings(t, file)
 			if len(got) != 1 || got[0].Level != tc.level || code != tc.code {
 				t.Fatalf("exit %d, policy findings %+v; want exit %d and one %s", code, got, tc.code, tc.level)
 			}
