@@ -30,6 +30,15 @@ const (
 	CodeInternal      Code = 20 // anything else; the message says what
 	CodeTimeout       Code = 21 // the connection missed a deadline (handshake, frame, idle, write)
 	CodeBadHandle     Code = 22 // a CUDA IPC handle names no live memory on that device (stale, forged, another device's)
+	// CodeDestinationChanged: per key of a load, the client's own
+	// destination blocks changed while the daemon wrote them (another
+	// writer of the client's memory, or a load into blocks still in
+	// use): the key's checksum, computed from them, failed, while the
+	// file, read again into the daemon's own memory, verifies and stays.
+	// The blocks hold no good copy of the key; loading it again into
+	// blocks nothing else writes succeeds. A client older than this code
+	// decodes it as a failure with an unnamed code (code(23)).
+	CodeDestinationChanged Code = 23
 )
 
 // String names the code.
@@ -38,7 +47,7 @@ func (c Code) String() string {
 		"limit exceeded", "unknown region", "unknown namespace", "unknown cache", "invalid argument",
 		"unsupported", "descriptor missing", "bad descriptor", "in use", "no space", "not found",
 		"corrupt", "policy failure", "shutting down", "cancelled", "internal error", "timed out",
-		"bad IPC handle"}
+		"bad IPC handle", "destination changed"}
 	if int(c) < len(names) {
 		return names[c]
 	}

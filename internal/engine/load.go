@@ -323,7 +323,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 			bad = true
 			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.Path, k, private[k], h.Keys[k].Sum))
 		default:
-			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", errDestinationChanged, en.Path, k))
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", ErrDestinationChanged, en.Path, k))
 		}
 	}
 	if bad {

@@ -12,12 +12,6 @@ import (
 	"github.com/kvhost/kvhost/transfer"
 )
 
-// errDestinationChanged: a key's checksum, computed from its destination
-// blocks, did not match, but the file verifies when read into private
-// memory: the blocks (client-writable shared memory) changed during the
-// load. The file is good and stays.
-var errDestinationChanged = errors.New("engine: the destination blocks changed during the load (the file verifies)")
-
 // recheckChunk is the private buffer of recheck.
 const recheckChunk = 4 << 20
 

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/engine"
@@ -31,6 +32,50 @@ func TestCompletionMessage(t *testing.T) {
 				t.Fatalf("message %q, want %q", m.Message, tc.want)
 			}
 		})
+	}
+}
+
+// TestLoadWhoseDestinationChangedFailsWithItsOwnCode: a load key whose
+// destination blocks the client changed under the load (the engine's
+// ErrDestinationChanged: the file verifies) fails with code destination
+// changed, named as such, not internal error, and the completion
+// decodes. A code past the last this decoder names (as 23 is to a client
+// older than it) still decodes as a failed key, named by its number.
+func TestLoadWhoseDestinationChangedFailsWithItsOwnCode(t *testing.T) {
+	changed := fmt.Errorf("%w: /m/a.kv: key 0", engine.ErrDestinationChanged)
+	for _, tc := range []struct {
+		name string
+		err  error
+	}{
+		{"the engine's error", changed},
+		{"wrapped again", fmt.Errorf("load: %w", changed)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := errorOf(tc.err).Code; got != protocol.CodeDestinationChanged {
+				t.Fatalf("errorOf(%v) = %v, want %v", tc.err, got, protocol.CodeDestinationChanged)
+			}
+			keys := []engine.KeyResult{{Outcome: engine.OutcomeFailed, Err: tc.err}, {Outcome: engine.OutcomeLoaded}}
+			m := completionOf(1, protocol.JobLoad, len(keys), engine.Result{Keys: keys}, nil)
+			back, err := protocol.Decode(m.Type(), m.AppendBody(nil))
+			if err != nil {
+				t.Fatalf("the completion %+v does not decode: %v", m, err)
+			}
+			k := back.(*protocol.Completion).Keys[0]
+			if k.Outcome != protocol.OutcomeFailed || k.Code != protocol.CodeDestinationChanged {
+				t.Fatalf("key 0 decodes as %v %v, want failed, %v", k.Outcome, k.Code, protocol.CodeDestinationChanged)
+			}
+			if name := k.Code.String(); name != "destination changed" {
+				t.Errorf("the code is named %q, want %q", name, "destination changed")
+			}
+		})
+	}
+	newer := &protocol.Completion{Job: 1, Kind: protocol.JobLoad, Keys: []protocol.KeyOutcome{{Outcome: protocol.OutcomeFailed, Code: protocol.CodeDestinationChanged + 1}}}
+	back, err := protocol.Decode(newer.Type(), newer.AppendBody(nil))
+	if err != nil {
+		t.Fatalf("a newer daemon's code does not decode: %v", err)
+	}
+	if k := back.(*protocol.Completion).Keys[0]; k.Outcome != protocol.OutcomeFailed || k.Code.String() != "code(24)" {
+		t.Fatalf("a newer daemon's code decodes as %v %q, want failed, code(24)", k.Outcome, k.Code)
 	}
 }
 

@@ -1147,6 +1147,10 @@ func errorOf(err error) *protocol.Error {
 		code = protocol.CodeNotFound
 	case errors.Is(err, engine.ErrCorrupt):
 		code = protocol.CodeCorrupt
+	case errors.Is(err, engine.ErrDestinationChanged):
+		// The client's own memory changed under the load: not the
+		// daemon's fault, nor the file's.
+		code = protocol.CodeDestinationChanged
 	case errors.Is(err, engine.ErrPolicy):
 		code = protocol.CodePolicy
 	case errors.Is(err, engine.ErrClosed):

@@ -27,7 +27,7 @@ class KvhostError(Exception):
     def __init__(self, code, message=""):
         self.code = code
         self.message = message
-        name = p.CODES[code] if code < len(p.CODES) else f"code({code})"
+        name = p.code_name(code)
         super().__init__(f"kvhost: {name}: {message}" if message else f"kvhost: {name}")
 
 
@@ -50,7 +50,7 @@ class ConnectionLost(Exception):
 def _closed_by_daemon(code, message):
     """The ConnectionLost of the daemon's Error frame about the connection
     itself, which it closes after it."""
-    name = p.CODES[code] if code < len(p.CODES) else f"code({code})"
+    name = p.code_name(code)
     return ConnectionLost(f"kvhost: the daemon closed the connection: {name}: {message}", code, message)
 
 
@@ -156,6 +156,13 @@ class Result:
 
     def outcomes(self):
         return [p.OUTCOMES[o] if o < len(p.OUTCOMES) else str(o) for o, _ in self.keys]
+
+    def codes(self):
+        """Each key's error code by name: "ok" for a key that did not fail,
+        "destination changed" for a load key whose blocks the client's own
+        memory changed under the load (the file is good: load it again into
+        blocks nothing else writes), code(N) for a newer daemon's code."""
+        return [p.code_name(c) for _, c in self.keys]
 
 
 class Job:

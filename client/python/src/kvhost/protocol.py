@@ -76,8 +76,17 @@ CODES = ["ok", "malformed", "unsupported version", "unknown type", "handshake re
          "limit exceeded", "unknown region", "unknown namespace", "unknown cache",
          "invalid argument", "unsupported", "descriptor missing", "bad descriptor", "in use",
          "no space", "not found", "corrupt", "policy failure", "shutting down", "cancelled",
-         "internal error", "timed out", "bad IPC handle"]
+         "internal error", "timed out", "bad IPC handle", "destination changed"]
 CODE_VERSION, CODE_UNKNOWN_TYPE, CODE_LIMIT, CODE_UNSUPPORTED = 2, 3, 5, 10
+# Per key of a load: the client's own destination blocks changed while the
+# daemon wrote them; the file verifies and stays (docs/protocol.md, Errors).
+CODE_DESTINATION_CHANGED = 23
+
+
+def code_name(code):
+    """The name of an error code; a code past the last this client knows
+    (a newer daemon's) is named by its number, code(N): still an error."""
+    return CODES[code] if 0 <= code < len(CODES) else f"code({code})"
 
 STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
                 "corrupt", "vanished", "bytes_written", "bytes_read", "clients", "regions",
