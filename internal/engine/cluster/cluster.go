@@ -111,6 +111,7 @@ type clusterAgree struct {
 	// files holds, by owner tag, the bytes of the other nodes' files this
 	// node indexes on the mount (count): a summary counts at least them.
 	files map[uint32]int64
+	paths map[uint32]string // by owner tag: one of files' paths, for a warning
 	// untagged is the bytes of files without an owner tag this node
 	// indexes on the mount (count), one of them at untaggedPath;
 	// untaggedAll the most any running node reports (read), counted
@@ -118,7 +119,13 @@ type clusterAgree struct {
 	// logged.
 	untagged, untaggedAll, untaggedSaid int64
 	untaggedPath, untaggedFrom          string
-	forgedSaid                          bool // a summary under this node's name that it did not write was logged
+	// unowned is the bytes of files with no file id (written before ids)
+	// this node indexes on the mount (count), one of them at
+	// unownedPath: agree adds those of tags no summary names to make
+	// untagged.
+	unowned     int64
+	unownedPath string
+	forgedSaid  bool // a summary under this node's name that it did not write was logged
 }
 
 // clusterAdoption is the dead nodes this node adopted on a cluster mount
@@ -243,7 +250,8 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 	var foreign []ranked // used since c.since: touches
 	var indexed int64
 	files := make(map[uint32]int64, len(c.files))
-	c.untagged, c.untaggedPath = 0, ""
+	paths := make(map[uint32]string, len(c.files))
+	c.unowned, c.unownedPath = 0, ""
 	c.Index.Each(func(en *index.Entry) {
 		if en.Mount != c.Idx {
 			return
@@ -254,9 +262,9 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 		case !ok:
 			// Written by a kvhost before owner tags: no summary counts it
 			// but as untagged bytes (others).
-			c.untagged += en.Size
-			if c.untaggedPath == "" || en.Path < c.untaggedPath {
-				c.untaggedPath = en.Path
+			c.unowned += en.Size
+			if c.unownedPath == "" || en.Path < c.unownedPath {
+				c.unownedPath = en.Path
 			}
 			return
 		case o == c.tag || dead[o]:
@@ -265,12 +273,15 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 			return
 		}
 		files[o] += en.Size
+		if p, ok := paths[o]; !ok || en.Path < p {
+			paths[o] = en.Path
+		}
 		if en.Last > c.since && len(foreign) < clustercap.MaxTouches {
 			foreign = append(foreign, ranked{en, rank(en)})
 			touches = append(touches, clustercap.Touch{ID: en.FID, Time: en.Last})
 		}
 	})
-	c.files = files
+	c.files, c.paths = files, paths
 	used, _ := c.Space.Usage(c.Sp)
 	// Reservations and files on their way out, and grants the space has
 	// not reserved yet: a grant moves from pending to used in one hold of
@@ -497,13 +508,13 @@ func (c *Mount) read(ctx context.Context) error {
 			}
 		}
 	}
-	deadSums = c.agree(now, deadSums)
 	if twin == "" && c.copied {
 		twin = c.Node + " (another copy: it holds this node's lock file)"
 	}
 	c.watch.See(c.peers, now)
 	c.setTwin(twin)
 	c.readBad(bad, read, now, adoptProven)
+	deadSums = c.agree(now, deadSums)
 	// A dead node whose owner tag a running peer carries (another node_id
 	// of the tag, started once the dead one's summary went stale) is not
 	// adopted: its files cannot be told from the running node's, which a
@@ -607,7 +618,7 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 	own := c.lastSketch()
 	ownOdd := clustercap.OddRanks(own, now)
 	capSaid, policies, odd := map[string]int64{}, map[string]string{}, map[string]bool{}
-	c.untaggedAll, c.untaggedFrom = c.untagged, c.Node
+	c.untaggedAll, c.untaggedFrom = 0, ""
 	for i, p := range c.peers {
 		if p.Tag != c.tag {
 			c.peers[i] = clustercap.AtLeast(p, c.files[p.Tag])
@@ -638,6 +649,32 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 		}
 	}
 	c.capSaid, c.policies, c.odd = capSaid, policies, odd
+	// Files of a tag no summary names (a kvhost without a cluster
+	// capacity draws random tags) are as good as untagged: no node
+	// counts them otherwise.
+	c.untagged, c.untaggedPath = c.unowned, c.unownedPath
+	named := map[uint32]bool{c.tag: true}
+	for _, s := range slices.Concat(c.peers, dead) {
+		named[s.Tag] = true
+	}
+	for node := range c.bad {
+		named[clustercap.Tag(node)] = true
+	}
+	for tag := range *c.dead.Load() {
+		named[tag] = true
+	}
+	for tag, n := range c.files {
+		if named[tag] {
+			continue
+		}
+		c.untagged += n
+		if p := c.paths[tag]; c.untaggedPath == "" || p < c.untaggedPath {
+			c.untaggedPath = p
+		}
+	}
+	if c.untagged > c.untaggedAll {
+		c.untaggedAll, c.untaggedFrom = c.untagged, c.Node
+	}
 	switch {
 	case c.untaggedAll == 0:
 		c.untaggedSaid = 0
