@@ -213,6 +213,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		if !ok {
 			e.own.unlockNode()
 		}
+		if !ok && e.pol.hitRec != nil {
+			e.pol.hitRec.close()
+		}
 	}()
 	for i, m := range cfg.Mounts {
 		mt, err := e.openMount(i, m)
@@ -271,7 +274,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	start := time.Now()
-	rc := &recovery{mounts: e.mounts, workers: cfg.IOWorkers, log: cfg.Logger, fs: e.fs, hd: e.hd, own: e.own, rm: e.rm, ix: e.ix, tables: e.tables, tier: e.tier, corrupt: &e.st.corrupt}
+	rc := &recovery{mounts: e.mounts, workers: cfg.IOWorkers, log: cfg.Logger, fs: e.fs, hd: e.hd, own: e.own, rm: e.rm, ix: e.ix, tables: e.tables, tier: e.tier, corrupt: &e.st.corrupt,
+		journals: accessPaths(e.mounts, e.own.node), now: cfg.Now}
 	if err := rc.rebuild(ctx); err != nil {
 		pool.Close()
 		return nil, err
@@ -288,6 +292,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.tier.pol, e.nm.pol = e.pol.Policy, e.pol.Policy
 	e.chk.interval.Store(int64(cfg.VerifyInterval))
 	e.watch.reportMounts()
+	// Before any access event: the restart hold's release may come from
+	// a timer while Open still runs.
+	e.pol.hitRec = newHitRecorder(e, newAccessLog(e.ix, e.fs, cfg.Logger, writableAccessPaths(e.mounts, e.own.node)))
 	e.access(ctx, e.ix.Records(abi.AccessRestore)) // the policy told of every indexed entry
 	// Before the cluster's first count, which may evict this node's files.
 	e.hold.start(ctx, cfg.RestartHold)
@@ -296,7 +303,6 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
-	e.pol.hitRec = newHitRecorder(e)
 	e.maker = newSpareMaker(e.space, e.mounts, e.mv.slots.busy, e.own, &e.st.made, e.cfg.Logger)
 	e.maker.start()
 	e.tier.start(ctx, e.pol.hitRec, e.maker)

@@ -16,8 +16,12 @@ const maxPendingHits = 1 << 16
 // wait for a plugin call to answer. Pins, inserts and removals, which
 // eviction depends on, stay synchronous; eviction flushes the pending hits
 // first, so it ranks with every hit reported before it.
+//
+// Its goroutine also writes the access journals (access.go): the files'
+// uses kept across restarts, written after the hits are reported.
 type hitRecorder struct {
 	e       *Engine
+	journal *accessLog // nil: none
 	mu      sync.Mutex
 	pending []abi.AccessRecord
 	closed  bool
@@ -25,8 +29,8 @@ type hitRecorder struct {
 	done    chan struct{}
 }
 
-func newHitRecorder(e *Engine) *hitRecorder {
-	r := &hitRecorder{e: e, wake: make(chan struct{}, 1), done: make(chan struct{})}
+func newHitRecorder(e *Engine, journal *accessLog) *hitRecorder {
+	r := &hitRecorder{e: e, journal: journal, wake: make(chan struct{}, 1), done: make(chan struct{})}
 	go r.run()
 	return r
 }
@@ -45,6 +49,11 @@ func (r *hitRecorder) add(ctx context.Context, recs []abi.AccessRecord) {
 	}
 	r.pending = append(r.pending, recs...)
 	r.mu.Unlock()
+	r.poke()
+}
+
+// poke wakes the recorder's goroutine.
+func (r *hitRecorder) poke() {
 	select {
 	case r.wake <- struct{}{}:
 	default:
@@ -69,12 +78,15 @@ func (r *hitRecorder) run() {
 		r.mu.Unlock()
 		if closed {
 			r.flush()
+			r.journal.close()
 			return
 		}
+		r.journal.write()
 	}
 }
 
-// close reports what is pending and stops the recorder.
+// close reports what is pending, writes the journals and stops the
+// recorder.
 func (r *hitRecorder) close() {
 	r.mu.Lock()
 	if r.closed {
@@ -83,16 +95,16 @@ func (r *hitRecorder) close() {
 	}
 	r.closed = true
 	r.mu.Unlock()
-	select {
-	case r.wake <- struct{}{}:
-	default:
-	}
+	r.poke()
 	<-r.done
 }
 
 // access reports events to the policy, in batches. A policy failure here is
 // logged, never fatal to the operation that caused it.
 func (e *Engine) access(ctx context.Context, recs []abi.AccessRecord) {
+	if e.pol.hitRec != nil && e.pol.hitRec.journal.note(recs) {
+		e.pol.hitRec.poke() // the uses kept across restarts (access.go)
+	}
 	for len(recs) > 0 {
 		n := min(len(recs), abi.MaxBatch)
 		if err := e.pol.Access(context.WithoutCancel(ctx), recs[:n]); err != nil {

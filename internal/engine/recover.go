@@ -33,6 +33,10 @@ type recovery struct {
 	tables  *tables
 	tier    *tiering       // copies left by a move cut short
 	corrupt *atomic.Uint64 // Stats.Corrupt
+	// journals are the mounts' access journals (accessPaths), read for
+	// the files' last access and hits (restoreAccess) at now.
+	journals []string
+	now      func() time.Time
 }
 
 // rebuild scans every mount: it removes temporary leftovers (older than
@@ -187,6 +191,9 @@ func (rc *recovery) rebuild(ctx context.Context) error {
 	// hand) the newest wins the key; both stay indexed by path.
 	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.Last, b.Last) })
 	found = rc.tier.dedupe(found) // copies left by a move cut short (demote.go)
+	// After the order by store time: the newest file wins a key, however
+	// recently another was used.
+	restoreAccess(found, readAccess(rc.fs, rc.log, rc.journals), rc.now().UnixNano())
 	ids := make([]NamespaceID, len(found))
 	for i, en := range found {
 		en.NS = uint32(rc.tables.namespaceOf(en.FP))

@@ -1,0 +1,231 @@
+package engine
+
+import (
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/engine/accesslog"
+)
+
+// accessFixture is a directory whose files engines store, use and find
+// again after a restart, on one test clock that only moves forward.
+type accessFixture struct {
+	t      *testing.T
+	dir    string
+	g      Geometry
+	keys   [][]byte
+	blocks [][]int
+	mu     sync.Mutex
+	now    time.Time
+}
+
+// accessSession is one engine's run over the fixture's directory.
+type accessSession struct {
+	e   *Engine
+	pol *testPolicy
+	ns  NamespaceID
+	c   *testCache
+}
+
+func newAccessFixture(t *testing.T, keys int) *accessFixture {
+	r := rand.New(rand.NewPCG(8, 5))
+	// Hours after the files' mtimes (the wall clock): a use's time is
+	// never taken for a store time.
+	return &accessFixture{t: t, dir: t.TempDir(), g: smallGeometry(true), keys: testKeys("acc", keys),
+		blocks: blockLists(r, keys, 4, 0), now: time.Now().Add(3 * time.Hour)}
+}
+
+func (f *accessFixture) clock() time.Time {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.now = f.now.Add(time.Millisecond)
+	return f.now
+}
+
+// open opens an engine on the directory as node.
+func (f *accessFixture) open(node string) *accessSession {
+	f.t.Helper()
+	s := &accessSession{pol: newTestPolicy(1, abi.OrderLayerMajor)}
+	s.e = openEngine(f.t, Config{Mounts: []Mount{{Path: f.dir}}, Policy: s.pol, Now: f.clock, NodeID: node})
+	var err error
+	if s.ns, err = s.e.Declare(context.Background(), f.g); err != nil {
+		f.t.Fatal(err)
+	}
+	s.c = newTestCache(f.t, s.e, s.ns, f.g, 64, layoutBlockFirst)
+	r := rand.New(rand.NewPCG(1, 2))
+	for _, b := range f.blocks {
+		s.c.fill(r, b)
+	}
+	return s
+}
+
+func (s *accessSession) close(t *testing.T) {
+	t.Helper()
+	if err := s.e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// hit looks key up times times and returns the time of the last hit.
+func (s *accessSession) hit(t *testing.T, key []byte, times int) int64 {
+	t.Helper()
+	for range times {
+		if n, err := s.e.Lookup(context.Background(), s.ns, [][]byte{key}); err != nil || n != 1 {
+			t.Fatalf("lookup of %q = %d, %v; want a hit", key, n, err)
+		}
+	}
+	s.e.pol.hitRec.flush()
+	return s.e.find(s.e.tables.get(s.ns), key).Last
+}
+
+// restored returns the RESTORE record the policy got at Open for key.
+func (s *accessSession) restored(t *testing.T, key []byte) abi.AccessRecord {
+	t.Helper()
+	s.pol.mu.Lock()
+	defer s.pol.mu.Unlock()
+	kh := abi.KeyHash(key)
+	for _, r := range s.pol.entries {
+		if r.KeyHash == kh {
+			if r.Kind != abi.AccessRestore {
+				t.Fatalf("key %q: the policy's record is of kind %d, want RESTORE", key, r.Kind)
+			}
+			return *r
+		}
+	}
+	t.Fatalf("key %q: no RESTORE record", key)
+	return abi.AccessRecord{}
+}
+
+// mtime is the modification time of key's file, what a RESTORE carried
+// before the journal.
+func (s *accessSession) mtime(t *testing.T, key []byte) int64 {
+	t.Helper()
+	_, paths, _, _ := s.e.nm.names(context.Background(), s.e.tables.get(s.ns), [][]byte{key})
+	fi, err := os.Stat(paths[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fi.ModTime().UnixNano()
+}
+
+func wantRestored(t *testing.T, what string, got abi.AccessRecord, at int64, hits uint32) {
+	t.Helper()
+	if int64(got.Time) != at || got.Hits != hits {
+		t.Errorf("%s: RESTORE carried time %d, hits %d; want time %d, hits %d", what, got.Time, got.Hits, at, hits)
+	}
+}
+
+// The contract of docs/abi.md: a RESTORE carries the file's last access
+// and the hits the host knows of. Before the access journal a restarted
+// engine sent the store time (the mtime) and 0 hits.
+func TestRestoreCarriesTheLastHitAndHitCountAfterARestart(t *testing.T) {
+	f := newAccessFixture(t, 3)
+	s := f.open("n1")
+	storeAndCheck(t, s.e, s.c, f.keys, f.blocks)
+	hit0 := s.hit(t, f.keys[0], 2)
+	hit1 := s.hit(t, f.keys[1], 1)
+	hit0 = max(hit0, s.hit(t, f.keys[0], 1)) // three hits, the last after key 1's
+	s.close(t)
+
+	s = f.open("n1")
+	wantRestored(t, "key 0, hit 3 times", s.restored(t, f.keys[0]), hit0, 3)
+	wantRestored(t, "key 1, hit once", s.restored(t, f.keys[1]), hit1, 1)
+	wantRestored(t, "key 2, never hit", s.restored(t, f.keys[2]), s.mtime(t, f.keys[2]), 0)
+	// A use after the restart adds to what was restored.
+	hit1 = s.hit(t, f.keys[1], 1)
+	s.close(t)
+	s = f.open("n1")
+	wantRestored(t, "key 1 after a second restart", s.restored(t, f.keys[1]), hit1, 2)
+	s.close(t)
+
+	// Files from before the journal (none on the mount) restore as they
+	// did: their store time, no hits.
+	if err := os.Remove(filepath.Join(f.dir, accesslog.Prefix+"n1")); err != nil {
+		t.Fatal(err)
+	}
+	s = f.open("n1")
+	for i, k := range f.keys {
+		wantRestored(t, "a key without a journal "+string(rune('0'+i)), s.restored(t, k), s.mtime(t, k), 0)
+	}
+}
+
+// A crash mid-append leaves a torn record at the journal's end, and a
+// record may be garbled: neither gives any file figures, the records
+// before them still count, and the next engine's appends go over the
+// torn bytes, where they are read back.
+func TestRestoreAfterATornJournalLosesOnlyTheLatestUpdates(t *testing.T) {
+	f := newAccessFixture(t, 3)
+	s := f.open("n1")
+	storeAndCheck(t, s.e, s.c, f.keys, f.blocks)
+	hit0 := s.hit(t, f.keys[0], 2)
+	fid := func(k []byte) uint64 { return s.e.find(s.e.tables.get(s.ns), k).FID }
+	fid0, fid1, fid2 := fid(f.keys[0]), fid(f.keys[1]), fid(f.keys[2])
+	s.close(t)
+
+	path := filepath.Join(f.dir, accesslog.Prefix+"n1")
+	j, err := accesslog.Open(s.e.fs, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	far := f.clock().UnixNano()
+	// A record of key 1 garbled (its hits' bytes changed after its
+	// checksum), a valid one of a file no one has, one of key 0 garbled
+	// too, then one of key 2 cut short by a crash.
+	if err := j.Append([]accesslog.Figure{{FID: fid1, Last: far, Hits: 7}, {FID: 0x5eed, Last: far, Hits: 9},
+		{FID: fid0, Last: far, Hits: 99}, {FID: fid2, Last: far, Hits: 99}}); err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	end := len(b) - 4*accesslog.RecordSize
+	b[end+16] ^= 0xff                    // key 1's hits
+	b[end+2*accesslog.RecordSize+3] ^= 1 // key 0's file id: its checksum fails
+	b = b[:len(b)-11]                    // key 2's record torn
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	s = f.open("n1")
+	wantRestored(t, "key 0 (last good record: 2 hits)", s.restored(t, f.keys[0]), hit0, 2)
+	wantRestored(t, "key 1 (only a garbled record)", s.restored(t, f.keys[1]), s.mtime(t, f.keys[1]), 0)
+	wantRestored(t, "key 2 (only a torn record)", s.restored(t, f.keys[2]), s.mtime(t, f.keys[2]), 0)
+	hit2 := s.hit(t, f.keys[2], 1)
+	s.close(t)
+	s = f.open("n1")
+	wantRestored(t, "key 2, hit after the torn record", s.restored(t, f.keys[2]), hit2, 1)
+	wantRestored(t, "key 0 again", s.restored(t, f.keys[0]), hit0, 2)
+}
+
+// A journal names files by their header ids: a file another node wrote
+// in the place of one this node used restores with its own figures, not
+// the old file's.
+func TestRestoreOfAFileReplacedByAnotherNodeCarriesTheNewFilesFigures(t *testing.T) {
+	f := newAccessFixture(t, 2)
+	s := f.open("n1")
+	storeAndCheck(t, s.e, s.c, f.keys, f.blocks)
+	s.hit(t, f.keys[0], 4)
+	old := s.e.find(s.e.tables.get(s.ns), f.keys[0]).FID
+	s.close(t)
+
+	other := f.open("n2")
+	if n, err := other.e.Delete(context.Background(), other.ns, f.keys[:1]); err != nil || n != 1 {
+		t.Fatalf("the other node's Delete = %d, %v; want 1", n, err)
+	}
+	storeAndCheck(t, other.e, other.c, f.keys[:1], f.blocks[:1])
+	if now := other.e.find(other.e.tables.get(other.ns), f.keys[0]).FID; now == old {
+		t.Fatal("the new file has the old one's id: the test proves nothing")
+	}
+	other.close(t)
+
+	s = f.open("n1")
+	wantRestored(t, "key 0 rewritten by another node", s.restored(t, f.keys[0]), s.mtime(t, f.keys[0]), 0)
+}
