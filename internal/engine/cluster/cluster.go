@@ -508,11 +508,12 @@ func (c *Mount) read(ctx context.Context) error {
 			}
 		}
 	}
-	if twin == "" && c.copied {
+	copied := twin == "" && c.copied
+	if copied {
 		twin = c.Node + " (another copy: it holds this node's lock file)"
 	}
 	c.watch.See(c.peers, now)
-	c.setTwin(twin)
+	c.setTwin(twin, copied)
 	c.readBad(bad, read, now, adoptProven)
 	deadSums = c.agree(now, deadSums)
 	// A dead node whose owner tag a running peer carries (another node_id
@@ -790,10 +791,13 @@ func (c *Mount) twinNote() string {
 
 // setTwin records twin, a running node of this node's owner tag that a
 // read found ("" if none), logging when one is found and when none is
-// left. Called with c.mu held.
-func (c *Mount) setTwin(twin string) {
+// left; but not a copy of this node (copied: another process holds its
+// lock file), which relock logs, as an error only where it lasts. Called
+// with c.mu held.
+func (c *Mount) setTwin(twin string, copied bool) {
 	switch {
 	case twin == c.twin:
+	case copied:
 	case twin != "":
 		c.Log.Error("engine: cluster: another running node has this node's owner tag; removing none of the tag's files, which cannot be told apart, until one of them runs with another node_id",
 			"mount", c.Root, "node", c.Node, "other", twin, "tag", fmt.Sprintf("%#x", c.tag))
