@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/clustercap"
 )
 
@@ -205,5 +206,34 @@ func TestClusterNamesANodeOfAnotherPolicy(t *testing.T) {
 	a.e.mounts[0].cluster.Tick(ctx)
 	if said.Load() != 1 {
 		t.Errorf("%d warnings named the lfu node beside an lru one, want one", said.Load())
+	}
+}
+
+// TestClusterNamesANodeRankingOnAnotherScale (issue 85, defect 5): a
+// node whose sketch ranks its files in Unix seconds (a policy's rank of
+// another scale) beside one ranking by Unix nanoseconds of use: a warning
+// names it, once.
+func TestClusterNamesANodeRankingOnAnotherScale(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	log, said := countingLogger(t, "on another scale")
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "a", Logger: log})
+	storeKeys(t, a, "a", 2, rand.New(rand.NewPCG(85, 5)))
+	a.e.mounts[0].cluster.Tick(ctx) // its sketch: ranks in Unix nanoseconds
+	now := time.Now()
+	l, err := clustercap.OpenDir(fsys.OS{}, dir, "secs")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if err := l.Publish(&clustercap.Summary{Version: clustercap.SummaryVersion, Node: "secs", Tag: clustercap.Tag("secs"), Seq: 1,
+		Time: now.UnixNano(), Interval: int64(time.Hour), Bytes: 100, Claim: 100,
+		Sketch: clustercap.NewSketch([]clustercap.Item{{Rank: uint64(now.Unix()), Bytes: 100}}, 8)}); err != nil {
+		t.Fatal(err)
+	}
+	a.e.mounts[0].cluster.Tick(ctx)
+	a.e.mounts[0].cluster.Tick(ctx)
+	if said.Load() != 1 {
+		t.Errorf("%d warnings named the node ranking in seconds, want one", said.Load())
 	}
 }
