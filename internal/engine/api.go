@@ -266,7 +266,11 @@ type Config struct {
 	// a client that was loading keys when the last process went can pin
 	// them again before the room is needed (a store that finds no other
 	// room fails with ErrNoSpace). Delete still removes a held file.
-	// HeldFound reports the files still held.
+	// HeldFound reports the files still held. With a LockFile, restarts
+	// do not re-arm it: the hold's start is kept in LockFile+".hold", and
+	// an Open whose predecessor ran for less than RestartHold holds only
+	// for what is left of the hold running (none once it is over); a
+	// process that runs for RestartHold marks it over (hold.go).
 	RestartHold time.Duration
 	// NodeID names this node in temporary file names (default: the host
 	// name). Nodes sharing a mount must have distinct ids.
