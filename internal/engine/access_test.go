@@ -10,7 +10,14 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/engine/accesslog"
+	"github.com/kvhost/kvhost/plugins/lfu"
+	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/plugins/sharded"
+	"github.com/kvhost/kvhost/plugins/tiered"
+	"github.com/kvhost/kvhost/plugins/ttl"
 )
 
 // accessFixture is a directory whose files engines store, use and find
@@ -48,11 +55,21 @@ func (f *accessFixture) clock() time.Time {
 	return f.now
 }
 
-// open opens an engine on the directory as node.
+// open opens an engine on the directory as node, with a testPolicy.
 func (f *accessFixture) open(node string) *accessSession {
 	f.t.Helper()
-	s := &accessSession{pol: newTestPolicy(1, abi.OrderLayerMajor)}
-	s.e = openEngine(f.t, Config{Mounts: []Mount{{Path: f.dir}}, Policy: s.pol, Now: f.clock, NodeID: node})
+	pol := newTestPolicy(1, abi.OrderLayerMajor)
+	s := f.openWith(node, Config{Policy: pol})
+	s.pol = pol
+	return s
+}
+
+// openWith opens an engine on the directory as node, with cfg's policy.
+func (f *accessFixture) openWith(node string, cfg Config) *accessSession {
+	f.t.Helper()
+	s := &accessSession{}
+	cfg.Mounts, cfg.Now, cfg.NodeID = []Mount{{Path: f.dir}}, f.clock, node
+	s.e = openEngine(f.t, cfg)
 	var err error
 	if s.ns, err = s.e.Declare(context.Background(), f.g); err != nil {
 		f.t.Fatal(err)
@@ -228,4 +245,45 @@ func TestRestoreOfAFileReplacedByAnotherNodeCarriesTheNewFilesFigures(t *testing
 
 	s = f.open("n1")
 	wantRestored(t, "key 0 rewritten by another node", s.restored(t, f.keys[0]), s.mtime(t, f.keys[0]), 0)
+}
+
+// The symptom: a restarted node's hot files ranked lowest, the
+// first its policy evicted. The oldest file, hit before the restart, is
+// the last victim each built-in policy offers after it, not the first.
+func TestAFileHitBeforeARestartIsNotTheFirstVictimOfTheBuiltinPolicies(t *testing.T) {
+	policies := []struct {
+		name string
+		new  func() guest.Policy
+	}{
+		{"lru", func() guest.Policy { return lru.New() }},
+		{"lfu", func() guest.Policy { return lfu.New() }},
+		{"ttl", func() guest.Policy { return ttl.New() }},
+		{"sharded", func() guest.Policy { return sharded.New() }},
+		{"tiered", func() guest.Policy { return tiered.New() }},
+	}
+	for _, p := range policies {
+		t.Run(p.name, func(t *testing.T) {
+			ctx := context.Background()
+			cfg := Config{NewPolicy: func(idx policy.Index) (policy.Policy, error) {
+				return policy.NewNative(p.new, idx, policy.Config{Shards: 1, Logger: testLogger(t)})
+			}}
+			f := newAccessFixture(t, 3)
+			s := f.openWith("n1", cfg)
+			for i := range f.keys { // key 0 the oldest
+				storeAndCheck(t, s.e, s.c, f.keys[i:i+1], f.blocks[i:i+1])
+			}
+			s.hit(t, f.keys[0], 1)
+			s.close(t)
+
+			s = f.openWith("n1", cfg)
+			v, err := s.e.pol.Victims(ctx, abi.EvictRequest{Mount: abi.AnyMount, Bytes: 1 << 40, Time: uint64(f.clock().UnixNano())}, 3)
+			if err != nil || len(v) != 3 {
+				t.Fatalf("Victims = %v, %v; want all 3 files", v, err)
+			}
+			hot := s.e.find(s.e.tables.get(s.ns), f.keys[0]).ID
+			if v[0].Entry == hot || v[2].Entry != hot {
+				t.Fatalf("victims %v after the restart: the file hit before it (entry %d) should come last", v, hot)
+			}
+		})
+	}
 }
