@@ -217,17 +217,19 @@ func readAccess(fsy fsys.FS, log *slog.Logger, paths []string) map[uint64]access
 
 // restoreAccess gives each entry found at rebuild what the journals kept
 // of its file (by its header id; a file without one, or unnamed by the
-// journals, keeps its store time and no hits). A last access is never
-// taken earlier than the file's store time, nor later than now.
+// journals, keeps its store time and no hits). A last access may be
+// earlier than the file's mtime: a move's copy keeps its header id and
+// its last access, as the move's INSERT told the policy (docs/abi.md);
+// it is never taken later than now, nor at or before the epoch.
 func restoreAccess(found []*entry, figs map[uint64]accesslog.Figure, now int64) {
 	if len(figs) == 0 {
 		return
 	}
 	for _, en := range found {
 		f, ok := figs[en.FID]
-		if en.FID == 0 || !ok {
+		if en.FID == 0 || !ok || f.Last <= 0 {
 			continue
 		}
-		en.Restore(min(max(en.Last, f.Last), max(en.Last, now)), f.Hits)
+		en.Restore(min(f.Last, max(en.Last, now)), f.Hits)
 	}
 }

@@ -287,3 +287,59 @@ func TestAFileHitBeforeARestartIsNotTheFirstVictimOfTheBuiltinPolicies(t *testin
 		})
 	}
 }
+
+// A move's copy keeps its file's header id, and the move's INSERT the
+// file's last access and hits (docs/abi.md): after a restart the copy
+// restores with them, not with the time of the move (its mtime).
+func TestAMovedFileRestoresWithItsLastAccessAndHits(t *testing.T) {
+	ctx := context.Background()
+	f := newAccessFixture(t, 12)
+	// Hours before the wall clock: the hit comes before the copy's mtime.
+	f.now = time.Now().Add(-3 * time.Hour)
+	fileLen := 4096 + f.g.KeyBytes()
+	cold := t.TempDir()
+	cfg := Config{
+		Mounts: []Mount{{Path: f.dir, Capacity: 6 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}, {Path: cold, DeviceClass: "network"}},
+		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
+			return policy.NewNative(func() guest.Policy { return tiered.New() }, idx, policy.Config{Logger: testLogger(t)})
+		},
+		Now: f.clock, NodeID: "n1",
+	}
+	open := func() (*Engine, NamespaceID, *testCache) {
+		e := openEngine(t, cfg)
+		ns, err := e.Declare(ctx, f.g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, f.g, 64, layoutBlockFirst)
+		r := rand.New(rand.NewPCG(1, 2))
+		for _, b := range f.blocks {
+			c.fill(r, b)
+		}
+		return e, ns, c
+	}
+	e, ns, c := open()
+	storeAndCheck(t, e, c, f.keys[:1], f.blocks[:1])
+	s := &accessSession{e: e, ns: ns, c: c}
+	hit := s.hit(t, f.keys[0], 2)
+	for i := 1; i < len(f.keys) && keyMount(e, ns, f.keys[0]) != 1; i++ {
+		storeAndCheck(t, e, c, f.keys[i:i+1], f.blocks[i:i+1])
+	}
+	if m := keyMount(e, ns, f.keys[0]); m != 1 {
+		t.Fatalf("the hit key is on mount %d after the stores, want the cold mount 1: the test proves nothing", m)
+	}
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	e, ns, _ = open()
+	en := e.find(e.tables.get(ns), f.keys[0])
+	if en == nil || en.Mount != 1 {
+		t.Fatalf("after the restart the hit key's entry is %+v, want one on the cold mount", en)
+	}
+	for _, pe := range e.ix.PolicyEntries() {
+		if pe.ID == en.ID && (int64(pe.LastAccess) != hit || pe.Hits != 2) {
+			t.Fatalf("the moved file restores with last access %d, hits %d; want %d, 2", pe.LastAccess, pe.Hits, hit)
+		}
+	}
+}
