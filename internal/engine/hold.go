@@ -2,12 +2,18 @@ package engine
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
+	"io/fs"
 	"log/slog"
+	"os"
 	"sync"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
 )
@@ -26,6 +32,17 @@ import (
 // mount's, each in chunks of heldChunk under the index's write lock. A
 // policy that replaces the current one is told of their pins as of
 // every pin (reload.go).
+//
+// A hold is not re-armed by restarts faster than it (holdRecord): the
+// start of the hold running is kept beside Config.LockFile, and a
+// process whose predecessor stopped before that hold was over keeps
+// only what is left of it, none once it is over; only a process that
+// runs for a whole restart_hold marks the hold done, so that the next
+// restart holds again. A crash loop then holds its files for one
+// restart_hold in all, and its stores evict by the policy's order after
+// that, rather than failing, or evicting only the files stored since the
+// last start, at every restart (RATIONALE.md, "Why is the restart hold
+// not re-armed by every restart?").
 
 // restartHold is the pin of the files found at start; the files it holds
 // are the index's entries marked held.
@@ -41,8 +58,10 @@ type restartHold struct {
 	// a release the timer began has told the policy, and a release never
 	// comes between demote's lifting of the hold's pins in the
 	// policy's view and their return.
-	mu    sync.Mutex
-	timer *time.Timer // the release; nil before the hold and once released
+	mu     sync.Mutex
+	timer  *time.Timer // the release; nil before the hold and once released
+	record holdRecord  // where the hold's start is kept across restarts
+	settle *time.Timer // marks the hold done once this process ran for it; nil once run or stopped
 }
 
 // accessor reports events to the policy (hits.go).
@@ -52,26 +71,88 @@ type accessor interface {
 
 // newRestartHold is the restart hold of e, whose tiering part is made.
 func newRestartHold(e *Engine) *restartHold {
-	return &restartHold{log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, tier: e.tier, events: e}
+	h := &restartHold{log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, tier: e.tier, events: e}
+	if e.cfg.LockFile != "" {
+		h.record = holdRecord{fs: e.fs, path: e.cfg.LockFile + holdSuffix}
+	}
+	return h
 }
 
-// start pins every indexed entry for d and tells the policy
-// (AccessPin), then arms the release. Called by Open after the policy is
-// restored, before the cluster's first count and any request.
+// start pins every indexed entry until the hold running ends (window:
+// d from now, or what is left of the hold a predecessor began) and tells
+// the policy (AccessPin), then arms the release. Called by Open after
+// the policy is restored, before the cluster's first count and any
+// request.
 func (h *restartHold) start(ctx context.Context, d time.Duration) {
 	if d <= 0 {
 		return
 	}
-	now := h.now().UnixNano()
-	recs := h.ix.HoldAll(now)
+	at := h.now()
+	left := h.window(at, d)
+	if left <= 0 {
+		return
+	}
+	recs := h.ix.HoldAll(at.UnixNano())
 	if len(recs) == 0 {
 		return
 	}
 	h.events.access(ctx, recs)
 	h.mu.Lock()
-	h.timer = time.AfterFunc(d, func() { h.release(true) })
+	h.timer = time.AfterFunc(left, func() { h.release(true) })
 	h.mu.Unlock()
-	h.log.Info("engine: files found at start are held from eviction", "files", len(recs), "for", d)
+	h.log.Info("engine: files found at start are held from eviction", "files", len(recs), "for", left.Round(time.Millisecond))
+}
+
+// window returns how long the files found at now are held, for a hold of
+// d: d where the last hold is over (a process ran for a whole one, or
+// none was recorded), else what is left of it, which is 0 or less once
+// it has passed. It records a new hold's start and arms the mark of its
+// end for d from now, when this process will have run for a whole hold.
+// Without a record (no Config.LockFile), or where it cannot be read or
+// written, every start holds for d, as each process did before records.
+func (h *restartHold) window(now time.Time, d time.Duration) time.Duration {
+	if h.record.path == "" {
+		return d
+	}
+	began, ok, err := h.record.running()
+	switch {
+	case err != nil:
+		h.log.Warn("engine: the restart hold's record cannot be read; this start holds for the whole restart_hold", "file", h.record.path, "err", err)
+		ok = false
+	case ok && began.After(now):
+		ok = false // a clock set back: the record says nothing of now
+	}
+	left := d
+	if ok {
+		left = began.Add(d).Sub(now)
+		if left > 0 {
+			h.log.Info("engine: the restart hold a previous process began is continued, not re-armed: that process stopped within restart_hold",
+				"began", began.Format(time.RFC3339Nano), "left", left.Round(time.Millisecond))
+		} else {
+			h.log.Warn("engine: files found at start are not held: the restart hold a previous process began is over, and no process since ran for restart_hold (restarts faster than the hold, a crash loop?); the next start after a process runs that long holds them again",
+				"began", began.Format(time.RFC3339Nano), "restart_hold", d)
+		}
+	} else if err := h.record.begin(now); err != nil {
+		h.log.Warn("engine: the restart hold's start cannot be recorded; a restart before it ends will hold its files again", "file", h.record.path, "err", err)
+	}
+	h.mu.Lock()
+	h.settle = time.AfterFunc(d, h.done)
+	h.mu.Unlock()
+	return left
+}
+
+// done marks the hold over in its record, this process having run for a
+// whole restart_hold: the next start holds its files for all of it.
+func (h *restartHold) done() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.settle == nil {
+		return // stopped by Close
+	}
+	h.settle = nil
+	if err := h.record.end(); err != nil {
+		h.log.Warn("engine: the end of the restart hold cannot be recorded; the next start holds only what is left of it", "file", h.record.path, "err", err)
+	}
 }
 
 // release ends the hold of the files found at start, once: each
@@ -82,6 +163,12 @@ func (h *restartHold) start(ctx context.Context, d time.Duration) {
 func (h *restartHold) release(tell bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if !tell && h.settle != nil {
+		// The process ends before it ran for a whole hold: the record
+		// keeps the hold running for its successor.
+		h.settle.Stop()
+		h.settle = nil
+	}
 	if h.timer == nil {
 		return
 	}
@@ -202,3 +289,85 @@ func (h *restartHold) demote(ctx context.Context, m *mount, size int64) error {
 // heldRetry is the least time between two rounds of demote on a
 // mount where the first moved no file.
 const heldRetry = time.Second
+
+// holdSuffix names the restart hold's record beside Config.LockFile.
+const holdSuffix = ".hold"
+
+// holdRecord is the file that keeps the restart hold running across
+// restarts (the hold above): the start of the last hold, and whether a
+// process ran for a whole restart_hold since. Only the holder of
+// Config.LockFile's flock writes it, so that no two processes do; it is
+// replaced whole (a temporary file renamed over it), so that a crash
+// leaves the old record or the new one.
+type holdRecord struct {
+	fs   fsys.FS
+	path string // "": no record (no Config.LockFile)
+}
+
+// holdState is a holdRecord's content.
+type holdState struct {
+	Began int64 `json:"began_unix_nano"` // the hold's start
+	Done  bool  `json:"done"`            // a process ran for a whole hold since
+}
+
+// maxHoldRecord bounds what running reads of a record.
+const maxHoldRecord = 4096
+
+// running returns the start of the hold the record keeps running, with
+// ok; ok is false where there is no record, or its hold is done.
+func (r holdRecord) running() (began time.Time, ok bool, err error) {
+	f, err := r.fs.OpenFile(r.path, os.O_RDONLY, 0)
+	if errors.Is(err, fs.ErrNotExist) {
+		return time.Time{}, false, nil
+	}
+	if err != nil {
+		return time.Time{}, false, fmt.Errorf("engine: restart hold record: %w", err)
+	}
+	defer f.Close()
+	buf := make([]byte, maxHoldRecord)
+	n, err := f.ReadAt(buf, 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return time.Time{}, false, fmt.Errorf("engine: restart hold record %s: %w", r.path, err)
+	}
+	var st holdState
+	if err := json.Unmarshal(buf[:n], &st); err != nil {
+		return time.Time{}, false, fmt.Errorf("engine: restart hold record %s: %w", r.path, err)
+	}
+	if st.Done || st.Began <= 0 {
+		return time.Time{}, false, nil
+	}
+	return time.Unix(0, st.Began), true, nil
+}
+
+// begin records a hold begun at now and not done.
+func (r holdRecord) begin(now time.Time) error {
+	return r.write(holdState{Began: now.UnixNano()})
+}
+
+// end records the hold done, whenever it began.
+func (r holdRecord) end() error { return r.write(holdState{Done: true}) }
+
+// write replaces the record with st.
+func (r holdRecord) write(st holdState) error {
+	b, err := json.Marshal(st)
+	if err != nil {
+		return fmt.Errorf("engine: restart hold record: %w", err)
+	}
+	tmp := r.path + ".tmp"
+	f, err := r.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return fmt.Errorf("engine: restart hold record: %w", err)
+	}
+	_, werr := f.WriteAt(append(b, '\n'), 0)
+	if cerr := f.Close(); werr == nil {
+		werr = cerr
+	}
+	if werr == nil {
+		werr = r.fs.Rename(tmp, r.path)
+	}
+	if werr != nil {
+		r.fs.Remove(tmp)
+		return fmt.Errorf("engine: restart hold record %s: %w", r.path, werr)
+	}
+	return nil
+}

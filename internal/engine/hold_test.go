@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -807,5 +808,141 @@ func TestARoundThatDemotesNoHeldFileIsNotRepeatedAtEachStore(t *testing.T) {
 	}
 	if n := f.pol.policyPins(); n != found {
 		t.Errorf("the policy was told of %d pins, want %d", n, found)
+	}
+}
+
+// restarts is one mount and one lock file that successive engines open,
+// as a daemon's restarts do, on a clock the test moves.
+type restarts struct {
+	dir, lock string
+	clock     *testClock
+	g         Geometry
+	fileLen   int64
+}
+
+func newRestarts(t *testing.T) *restarts {
+	g := smallGeometry(true)
+	return &restarts{dir: t.TempDir(), lock: filepath.Join(t.TempDir(), "kvhost.sock.lock"), clock: newTestClock(), g: g, fileLen: int64(4096 + g.KeyBytes())}
+}
+
+// start opens the next engine with hold and room for capFiles files (0:
+// plenty), and its cache.
+func (r *restarts) start(t *testing.T, hold time.Duration, capFiles int) (*Engine, *testCache) {
+	t.Helper()
+	capacity := 64 * r.fileLen
+	if capFiles > 0 {
+		capacity = int64(capFiles) * r.fileLen
+	}
+	e, err := Open(context.Background(), Config{
+		Mounts: []Mount{{Path: r.dir, Capacity: capacity, HighWatermark: 0.75, LowWatermark: 0.5}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
+		IOWorkers: 2, Logger: testLogger(t), LockFile: r.lock, RestartHold: hold, Now: r.clock.now,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, err := e.Declare(context.Background(), r.g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, newTestCache(t, e, ns, r.g, 64, layoutPlaneFirst)
+}
+
+// stop closes e, as a crash would end it (Close writes nothing of the
+// hold: the process ends before its hold is over).
+func stop(t *testing.T, e *Engine) {
+	t.Helper()
+	if err := e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRestartHoldIsNotReArmedByRestartsFasterThanIt: a daemon that
+// restarts again and again before its hold is over (a crash loop) holds
+// the files it finds only for what is left of the first start's hold: a
+// restart inside it holds them for the rest, one after it holds none, and
+// a store into the mount they fill evicts one rather than failing.
+func TestRestartHoldIsNotReArmedByRestartsFasterThanIt(t *testing.T) {
+	const found = 4
+	r := newRestarts(t)
+	e, c := r.start(t, time.Hour, 0)
+	keys := testKeys("loop", found+1)
+	blocks := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}, {16, 17, 18, 19}}
+	for i := range found {
+		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+	}
+	stop(t, e)
+
+	r.clock.advance(30 * time.Minute) // a restart inside the hold
+	e, _ = r.start(t, time.Hour, found)
+	if n := e.HeldFound(); n != found {
+		t.Fatalf("a restart 30m into a 1h hold holds %d files, want %d: the rest of the hold", n, found)
+	}
+	stop(t, e)
+
+	r.clock.advance(31 * time.Minute) // the first start's hour is over
+	e, c = r.start(t, time.Hour, found)
+	t.Cleanup(func() { e.Close(context.Background()) })
+	if n := e.HeldFound(); n != 0 {
+		t.Fatalf("a restart after the first start's hold, with no process having run for a whole hold, holds %d files, want 0: the hold was re-armed", n)
+	}
+	res := wait(t)(e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: keys[found:], Blocks: blocks[found:]}))
+	if k := res.Keys[0]; k.Outcome != OutcomeStored {
+		t.Fatalf("a store into the full mount after the hold: %v (%v), want stored", k.Outcome, k.Err)
+	}
+	if e.Stats().Evictions == 0 {
+		t.Fatal("the store evicted nothing: the test proves nothing")
+	}
+}
+
+// TestRestartHoldIsReArmedOnceAProcessRanThroughIt: a process that runs
+// for a whole restart_hold marks the hold over, and the next start holds
+// the files it finds again, for all of a new hold.
+func TestRestartHoldIsReArmedOnceAProcessRanThroughIt(t *testing.T) {
+	const found = 3
+	r := newRestarts(t)
+	e, c := r.start(t, 50*time.Millisecond, 0)
+	keys := testKeys("settled", found)
+	for i := range found {
+		storeAndCheck(t, e, c, keys[i:i+1], [][]int{{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}})
+	}
+	testwait.Until(t, "the process to run through its hold and record it over", testwait.Hang, func() bool {
+		_, running, err := e.hold.record.running()
+		return err == nil && !running
+	})
+	stop(t, e)
+
+	r.clock.advance(time.Minute) // long after the first hold's start
+	e, _ = r.start(t, time.Hour, 0)
+	t.Cleanup(func() { e.Close(context.Background()) })
+	if n := e.HeldFound(); n != found {
+		t.Fatalf("a restart after a process ran through its hold holds %d files, want %d", n, found)
+	}
+}
+
+// TestRestartHoldRecordThatCannotBeReadHoldsForTheWholeHold: a record
+// that does not decode (a torn or foreign file) is no reason to hold
+// nothing: the start holds its files for the whole restart_hold and
+// writes a record of its own.
+func TestRestartHoldRecordThatCannotBeReadHoldsForTheWholeHold(t *testing.T) {
+	const found = 2
+	r := newRestarts(t)
+	e, c := r.start(t, time.Hour, 0)
+	keys := testKeys("torn", found)
+	for i := range found {
+		storeAndCheck(t, e, c, keys[i:i+1], [][]int{{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}})
+	}
+	stop(t, e)
+	if err := os.WriteFile(r.lock+holdSuffix, []byte("{\"began_unix"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r.clock.advance(2 * time.Hour)
+	e, _ = r.start(t, time.Hour, 0)
+	t.Cleanup(func() { e.Close(context.Background()) })
+	if n := e.HeldFound(); n != found {
+		t.Fatalf("a start beside a torn record holds %d files, want %d", n, found)
+	}
+	began, running, err := e.hold.record.running()
+	if err != nil || !running || !began.Equal(r.clock.now()) {
+		t.Fatalf("the record after the start: began %v, running %v, %v; want this start's hold running", began, running, err)
 	}
 }
