@@ -2,17 +2,21 @@ package engine
 
 import (
 	"context"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/engine/accesslog"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/plugins/lfu"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/plugins/sharded"
@@ -341,5 +345,41 @@ func TestAMovedFileRestoresWithItsLastAccessAndHits(t *testing.T) {
 		if pe.ID == en.ID && (int64(pe.LastAccess) != hit || pe.Hits != 2) {
 			t.Fatalf("the moved file restores with last access %d, hits %d; want %d, 2", pe.LastAccess, pe.Hits, hit)
 		}
+	}
+}
+
+// A journal that cannot be written costs the restored figures of later
+// uses, never a store, a lookup or a load: one warning names it, and the
+// engine writes it no more.
+func TestAJournalThatCannotBeWrittenWarnsOnceAndLosesNothingStored(t *testing.T) {
+	ctx := context.Background()
+	var buf lockedBuffer
+	log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	f := newAccessFixture(t, 2)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpWrite && isJournal(filepath.Base(path)) {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	})
+	s := f.openWith("n1", Config{Policy: newTestPolicy(1, abi.OrderLayerMajor), Logger: log, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+	storeAndCheck(t, s.e, s.c, f.keys, f.blocks)
+	warned := func() int {
+		return len(buf.records(t, "engine: access journal failed: the files' uses on this mount are no longer kept across restarts"))
+	}
+	s.hit(t, f.keys[0], 1)
+	testwait.Until(t, "the journal's warning", testwait.Hang, func() bool { return warned() > 0 })
+	s.hit(t, f.keys[1], 1)
+	want := s.c.data(f.blocks[1])
+	into := [][]int{{40, 41, 42, 43}}
+	loadAndCompare(t, s.e, s.c, f.keys[1:2], into, [][]byte{want})
+	if err := s.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := warned(); n != 1 {
+		t.Fatalf("%d warnings of the journal that cannot be written, want 1", n)
+	}
+	if st := s.e.Stats(); st.Failures != 0 {
+		t.Fatalf("%d failures beside the journal's", st.Failures)
 	}
 }
