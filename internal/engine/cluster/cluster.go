@@ -103,15 +103,18 @@ type clusterView struct {
 type clusterAgree struct {
 	from    string           // the node whose configured capacity the bound is
 	capSaid map[string]int64 // the peers whose other capacity was logged, with it
-	// untenable holds the summaries whose claim cannot hold, ignored
-	// (logged once while they stay so).
-	untenable map[string]bool
+	// untenable holds the nodes whose summary's claim cannot hold, with
+	// that summary's Seq: ignored, logged once while they stay so.
+	untenable map[string]uint64
 	policies  map[string]string // the peers of another policy logged, with it
 	odd       map[string]bool   // the peers whose ranks were logged as of another scale
 	// files holds, by owner tag, the bytes of the other nodes' files this
 	// node indexes on the mount (count): a summary counts at least them.
 	files map[uint32]int64
-	paths map[uint32]string // by owner tag: one of files' paths, for a warning
+	// all is files with every entry of the tag, seen lately or not: those
+	// of tags no summary names count as untagged (agree) while indexed.
+	all   map[uint32]int64
+	paths map[uint32]string // by owner tag: one of all's paths, for a warning
 	// untagged is the bytes of files without an owner tag this node
 	// indexes on the mount (count), one of them at untaggedPath;
 	// untaggedAll the most any running node reports (read), counted
@@ -232,6 +235,12 @@ func (c *Mount) MayEvict(en *index.Entry) bool {
 	return o == c.tag || (*c.dead.Load())[o]
 }
 
+// seenWindow is the least of how long ago another node's file this node
+// indexes must have been checked on the mount (index.Entry.Verified) to
+// count in its owner's bytes (count, clustercap.AtLeast) or as untagged:
+// StaleIntervals of the mount's interval, and at least this.
+const seenWindow = time.Second
+
 // ranked is one of this node's entries with its eviction rank.
 type ranked struct {
 	en   *index.Entry
@@ -250,7 +259,9 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 	var foreign []ranked // used since c.since: touches
 	var indexed int64
 	files := make(map[uint32]int64, len(c.files))
+	all := make(map[uint32]int64, len(c.all))
 	paths := make(map[uint32]string, len(c.files))
+	seen := c.Host.Now().Add(-max(clustercap.StaleIntervals*c.interval, seenWindow)).UnixNano()
 	c.unowned, c.unownedPath = 0, ""
 	c.Index.Each(func(en *index.Entry) {
 		if en.Mount != c.Idx {
@@ -272,16 +283,22 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 			bytes += en.Size
 			return
 		}
-		files[o] += en.Size
+		all[o] += en.Size
 		if p, ok := paths[o]; !ok || en.Path < p {
 			paths[o] = en.Path
+		}
+		if en.Verified.Load() >= seen {
+			// Seen on the mount lately: its owner's summary counts it
+			// (an entry of a file its owner removed since stays here
+			// until a lookup finds it gone, and must not count for good).
+			files[o] += en.Size
 		}
 		if en.Last > c.since && len(foreign) < clustercap.MaxTouches {
 			foreign = append(foreign, ranked{en, rank(en)})
 			touches = append(touches, clustercap.Touch{ID: en.FID, Time: en.Last})
 		}
 	})
-	c.files, c.paths = files, paths
+	c.files, c.all, c.paths = files, all, paths
 	used, _ := c.Space.Usage(c.Sp)
 	// Reservations and files on their way out, and grants the space has
 	// not reserved yet: a grant moves from pending to used in one hold of
@@ -583,10 +600,11 @@ func (c *Mount) read(ctx context.Context) error {
 // held.
 func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summary {
 	first, _ := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
-	untenable := map[string]bool{}
+	untenable := map[string]uint64{}
 	ignore := func(s *clustercap.Summary, why string) {
-		untenable[s.Node] = true
-		if !c.untenable[s.Node] {
+		_, was := c.untenable[s.Node]
+		untenable[s.Node] = s.Seq
+		if !was {
 			c.Log.Warn("engine: cluster: a summary states a claim that cannot hold: ignored (a forged or corrupt summary); remove the file if no such node runs",
 				"mount", c.Root, "summary", c.dir.SummaryPath(s.Node), "why", why)
 		}
@@ -594,6 +612,12 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 	kept := c.peers[:0]
 	for _, p := range c.peers {
 		if why := clustercap.Untenable(p, first); why != "" {
+			// Its lock probed once per summary: no probe per claim raise
+			// on a store's path while a forged one stays.
+			if seq, ok := c.untenable[p.Node]; ok && seq == p.Seq {
+				ignore(p, why)
+				continue
+			}
 			if free, err := c.dir.LockFree(p.Node); err != nil || free {
 				ignore(p, why)
 				continue
@@ -664,7 +688,7 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 	for tag := range *c.dead.Load() {
 		named[tag] = true
 	}
-	for tag, n := range c.files {
+	for tag, n := range c.all {
 		if named[tag] {
 			continue
 		}

@@ -96,7 +96,7 @@ func Open(fs fsys.FS, g Group, bound clustercap.Bound, interval time.Duration) (
 	}
 	c := &Mount{Group: g, dir: dir, bound: bound, configured: bound, interval: interval, tag: clustercap.Tag(g.Node), floor: map[uint64]uint64{}, ahead: map[uint64]int64{},
 		run:             g.Host.Now().UnixNano(),
-		clusterAgree:    clusterAgree{from: g.Node, capSaid: map[string]int64{}, untenable: map[string]bool{}, policies: map[string]string{}, odd: map[string]bool{}, files: map[uint32]int64{}},
+		clusterAgree:    clusterAgree{from: g.Node, capSaid: map[string]int64{}, untenable: map[string]uint64{}, policies: map[string]string{}, odd: map[string]bool{}, files: map[uint32]int64{}},
 		clusterView:     clusterView{bad: map[string]bool{}, unknown: map[string]bool{}},
 		clusterAdoption: clusterAdoption{walked: map[uint32]int64{}, temps: map[string]uint32{}},
 		clusterFlocks:   clusterFlocks{shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}}}
