@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"io/fs"
 	"os"
 
 	"github.com/kvhost/kvhost/fsys"
@@ -199,7 +200,12 @@ func (j *Journal) encode(figs []Figure, head []byte) []byte {
 // one before, still appended to.
 func (j *Journal) Rewrite(figs []Figure) error {
 	tmp := j.path + ".new"
-	f, err := j.fs.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_TRUNC|fsys.ONoLinks, 0o644)
+	// A compaction's file left by a crash goes first: a file is made
+	// anew, never truncated.
+	if err := j.fs.Remove(tmp); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("accesslog: compact %s: %w", j.path, err)
+	}
+	f, err := j.fs.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL|fsys.ONoLinks, 0o644)
 	if err != nil {
 		return fmt.Errorf("accesslog: compact %s: %w", j.path, err)
 	}

@@ -120,7 +120,7 @@ func TestOpenStartsAfreshOverAFileThatIsNotAJournal(t *testing.T) {
 	}
 }
 
-func TestRewriteKeepsOnlyTheFiguresGivenAndAppendsAfterThem(t *testing.T) {
+func TestRewriteKeepsOnlyTheFiguresGivenOverALeftoverAndAppendsAfterThem(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, Prefix+"n")
 	j, err := Open(fsys.OS{}, path)
@@ -132,6 +132,10 @@ func TestRewriteKeepsOnlyTheFiguresGivenAndAppendsAfterThem(t *testing.T) {
 		if err := j.Append([]Figure{{FID: uint64(1 + i%5), Last: int64(i), Hits: uint32(i)}}); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// A compaction's file left by a crash, longer than the new one.
+	if err := os.WriteFile(path+".new", make([]byte, 4096), 0o644); err != nil {
+		t.Fatal(err)
 	}
 	keep := []Figure{{FID: 4, Last: 48, Hits: 48}, {FID: 5, Last: 49, Hits: 49}}
 	if err := j.Rewrite(keep); err != nil {
@@ -148,7 +152,7 @@ func TestRewriteKeepsOnlyTheFiguresGivenAndAppendsAfterThem(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(got.Figures) != 2 || got.Figures[4] != later || got.Figures[5] != keep[1] {
+	if len(got.Figures) != 2 || got.Figures[4] != later || got.Figures[5] != keep[1] || got.Bad != 0 || got.Torn != 0 {
 		t.Fatalf("after the rewrite and an append: %+v", got.Figures)
 	}
 	if _, err := os.Stat(path + ".new"); !errors.Is(err, os.ErrNotExist) {
