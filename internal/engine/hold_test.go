@@ -825,16 +825,25 @@ func newRestarts(t *testing.T) *restarts {
 	return &restarts{dir: t.TempDir(), lock: filepath.Join(t.TempDir(), "kvhost.sock.lock"), clock: newTestClock(), g: g, fileLen: int64(4096 + g.KeyBytes())}
 }
 
-// start opens the next engine with hold and room for capFiles files (0:
-// plenty), and its cache.
+// start opens the next engine with hold, room for capFiles files (0:
+// plenty) and the lru policy, and its namespace's cache.
 func (r *restarts) start(t *testing.T, hold time.Duration, capFiles int) (*Engine, *testCache) {
+	e, c, _ := r.startNS(t, hold, capFiles)
+	return e, c
+}
+
+// startNS is start, with the namespace.
+func (r *restarts) startNS(t *testing.T, hold time.Duration, capFiles int) (*Engine, *testCache, NamespaceID) {
 	t.Helper()
 	capacity := 64 * r.fileLen
 	if capFiles > 0 {
 		capacity = int64(capFiles) * r.fileLen
 	}
+	newLRU := func(idx policy.Index) (policy.Policy, error) {
+		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: testLogger(t)})
+	}
 	e, err := Open(context.Background(), Config{
-		Mounts: []Mount{{Path: r.dir, Capacity: capacity, HighWatermark: 0.75, LowWatermark: 0.5}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
+		Mounts: []Mount{{Path: r.dir, Capacity: capacity, HighWatermark: 0.75, LowWatermark: 0.5}}, NewPolicy: newLRU,
 		IOWorkers: 2, Logger: testLogger(t), LockFile: r.lock, RestartHold: hold, Now: r.clock.now,
 	})
 	if err != nil {
@@ -844,7 +853,7 @@ func (r *restarts) start(t *testing.T, hold time.Duration, capFiles int) (*Engin
 	if err != nil {
 		t.Fatal(err)
 	}
-	return e, newTestCache(t, e, ns, r.g, 64, layoutPlaneFirst)
+	return e, newTestCache(t, e, ns, r.g, 64, layoutPlaneFirst), ns
 }
 
 // stop closes e, as a crash would end it (Close writes nothing of the
@@ -944,5 +953,50 @@ func TestRestartHoldRecordThatCannotBeReadHoldsForTheWholeHold(t *testing.T) {
 	began, running, err := e.hold.record.running()
 	if err != nil || !running || !began.Equal(r.clock.now()) {
 		t.Fatalf("the record after the start: began %v, running %v, %v; want this start's hold running", began, running, err)
+	}
+}
+
+// TestACrashLoopEvictsItsOldestKeysNotItsNewest: after a restart that
+// comes once the hold a crashed process began is over, stores into a
+// full mount evict the oldest keys found there, by the policy's order,
+// and every key acknowledged since stays: a hold re-armed by the restart
+// left the stores only each other to evict, the newest first.
+func TestACrashLoopEvictsItsOldestKeysNotItsNewest(t *testing.T) {
+	const found, later = 4, 3
+	ctx := context.Background()
+	r := newRestarts(t)
+	e, c := r.start(t, time.Hour, 0)
+	keys := testKeys("newest", found+later)
+	blocks := make([][]int, len(keys))
+	for i := range blocks {
+		blocks[i] = []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+	}
+	for i := range found {
+		r.clock.advance(time.Second)
+		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+	}
+	stop(t, e) // a crash 4 s into a 1 h hold
+
+	r.clock.advance(time.Hour) // the next start comes after that hold
+	e, c, ns := r.startNS(t, time.Hour, found+2)
+	t.Cleanup(func() { e.Close(context.Background()) })
+	for i := found; i < len(keys); i++ {
+		r.clock.advance(time.Second)
+		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+	}
+	if e.Stats().Evictions == 0 {
+		t.Fatal("the stores evicted nothing: the test proves nothing")
+	}
+	stored := func(i int) bool {
+		n, err := e.Lookup(ctx, ns, keys[i:i+1])
+		return err == nil && n == 1
+	}
+	for i := found; i < len(keys); i++ {
+		if !stored(i) {
+			t.Fatalf("key %d, stored after the restart, was evicted while keys found at start stayed", i)
+		}
+	}
+	if stored(0) {
+		t.Fatal("the oldest key found at start stayed while the stores evicted")
 	}
 }
