@@ -5,6 +5,7 @@ import (
 	"io/fs"
 	"log/slog"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 
@@ -93,19 +94,24 @@ func newAccessLog(ix *index.Index, fsy fsys.FS, log *slog.Logger, paths []string
 // an insert carrying hits: a file moved or deduplicated), and reports
 // whether it queued any.
 func (a *accessLog) note(recs []abi.AccessRecord) bool {
-	if a == nil {
-		return false
+	if a == nil || !slices.ContainsFunc(recs, journaled) {
+		return false // a store's INSERT: no lock taken
 	}
 	queued := false
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for _, r := range recs {
-		if (r.Kind == abi.AccessHit || r.Kind == abi.AccessInsert && r.Hits > 0) && len(a.pending) < maxPendingAccess {
+		if journaled(r) && len(a.pending) < maxPendingAccess {
 			a.pending[r.Entry] = struct{}{}
 			queued = true
 		}
 	}
 	return queued
+}
+
+// journaled reports whether r tells of a use the journal keeps.
+func journaled(r abi.AccessRecord) bool {
+	return r.Kind == abi.AccessHit || r.Kind == abi.AccessInsert && r.Hits > 0
 }
 
 // write appends the figures of the entries pending to their journals.
