@@ -11,6 +11,14 @@
 // those of nodes proven dead (summary stale, lock file free, flocks found
 // shared with them: probeLocks).
 //
+// The bound is agreed (agree, clustercap.Agree): the smallest capacity a
+// running node configures, read from the summaries at every read. Those
+// summaries are checked there too: a claim beyond the bound is ignored
+// (unless its node's lock is held), a peer counts at least its files this
+// node saw lately, files of no summary's tag count once as untagged, and
+// peers of another policy or rank scale are named. Each tick checks the
+// summary under this node's name (checkOwn) before it publishes its own.
+//
 // Ranks come from the policy (Host.Rank): comparable across nodes, lower
 // evicted first. An entry the policy does not rank (a plugin without the
 // feature, an entry it was not told of yet, a failed call) is ranked by
