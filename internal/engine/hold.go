@@ -35,10 +35,10 @@ import (
 //
 // A hold is not re-armed by restarts faster than it (holdRecord): the
 // start of the hold running is kept beside Config.LockFile, and a
-// process whose predecessor stopped before that hold was over keeps
-// only what is left of it, none once it is over; only a process that
-// runs for a whole restart_hold marks the hold done, so that the next
-// restart holds again. A crash loop then holds its files for one
+// process whose predecessor did not run for a whole restart_hold keeps
+// only what is left of that hold, measured from its start, and none once
+// it is over; only a process that runs for a whole restart_hold marks
+// the hold done, so that the next restart holds for all of it again. A crash loop then holds its files for one
 // restart_hold in all, and its stores evict by the policy's order after
 // that, rather than failing, or evicting only the files stored since the
 // last start, at every restart (RATIONALE.md, "Why is the restart hold
