@@ -354,7 +354,13 @@ func (r holdRecord) write(st holdState) error {
 		return fmt.Errorf("engine: restart hold record: %w", err)
 	}
 	tmp := r.path + ".tmp"
-	f, err := r.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	// A new file, not a truncated one: the engine truncates no file
+	// (TestEngineNeverTruncatesItsFiles); a leftover of a crash mid-write
+	// is removed first.
+	if err := r.fs.Remove(tmp); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("engine: restart hold record: %w", err)
+	}
+	f, err := r.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return fmt.Errorf("engine: restart hold record: %w", err)
 	}
