@@ -1314,5 +1314,16 @@ class TestImportOrder(unittest.TestCase):
         self.assertIs(kvhost.seal_shrink, kvhost.memory.seal_shrink)
 
 
+
+class TestErrorCodeNames(unittest.TestCase):
+    def test_a_load_whose_destination_changed_is_named_apart_and_a_newer_code_by_its_number(self):
+        self.assertEqual(p.code_name(p.CODE_DESTINATION_CHANGED), "destination changed")
+        self.assertEqual(p.CODES.index("internal error"), 20)
+        self.assertEqual(p.code_name(99), "code(99)")
+        r = kvhost.client.Result(keys=[(p.OUTCOME_LOADED, 0), (p.OUTCOME_FAILED, p.CODE_DESTINATION_CHANGED),
+                                       (p.OUTCOME_FAILED, 99)], bytes=0, duration_ns=0, message="")
+        self.assertEqual(r.codes(), ["ok", "destination changed", "code(99)"])
+
+
 if __name__ == "__main__":
     unittest.main()

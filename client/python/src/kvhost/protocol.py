@@ -88,6 +88,7 @@ def code_name(code):
     (a newer daemon's) is named by its number, code(N): still an error."""
     return CODES[code] if 0 <= code < len(CODES) else f"code({code})"
 
+
 STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
                 "corrupt", "vanished", "bytes_written", "bytes_read", "clients", "regions",
                 "caches", "inflight_jobs"]
