@@ -237,3 +237,31 @@ func TestClusterNamesANodeRankingOnAnotherScale(t *testing.T) {
 		t.Errorf("%d warnings named the node ranking in seconds, want one", said.Load())
 	}
 }
+
+// TestClusterRetiresAStaleSummaryOfANodeItNeverSawRunning (issue 85,
+// defect 2): beside a running node P, with which A finds flocks shared,
+// lies the summary of node X, dated ten hours ago, its lock file there
+// and free: X never ran while A did. A adopts X (nothing of X's is left
+// on the mount) and retires it at its next tick, whatever the summary's
+// date, so no node counts it for good.
+func TestClusterRetiresAStaleSummaryOfANodeItNeverSawRunning(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	mnt := []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}
+	clusterNodeOf(t, Config{Mounts: mnt, NodeID: "p"})
+	a := clusterNodeOf(t, Config{Mounts: mnt, NodeID: "a"})
+	m := a.e.mounts[0]
+	m.cluster.Tick(ctx) // probes P's lock: held, flocks shared
+	if v := m.cluster.Inspect(); len(v.Shared) == 0 {
+		t.Fatalf("A found flocks shared with no node beside running P: %+v", v)
+	}
+	if err := os.WriteFile(filepath.Join(dir, clustercap.DirName, "x.lock"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	path := forgeSummary(t, dir, &clustercap.Summary{Version: clustercap.SummaryVersion, Node: "x", Tag: clustercap.Tag("x"), Seq: 7,
+		Time: time.Now().Add(-10 * time.Hour).UnixNano(), Interval: int64(time.Second), Bytes: 1 << 20, Claim: 1 << 20})
+	m.cluster.Tick(ctx)
+	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("X's summary, dated ten hours ago, its lock free, after A's tick: %v; want it retired", err)
+	}
+}

@@ -481,8 +481,12 @@ func (c *Mount) read(ctx context.Context) error {
 		// its summary went stale): whatever the flocks, nothing runs
 		// under its name, and its summary goes once its files do,
 		// whatever its date (a summary dated in the past, no node ever
-		// paired with, stayed for good).
-		if c.shared[node] || c.dir.LockMissing(node) {
+		// paired with, stayed for good). So does one this node never saw
+		// running (no probe of its while its summary was fresh) where
+		// flocks reach between this node and others: a node seen running
+		// with its lock free (flocks not shared with it) is never taken
+		// so.
+		if c.shared[node] || c.dir.LockMissing(node) || len(c.shared) > 0 && c.probes[node] == nil {
 			proven = append(proven, deadNode{node, tag, run})
 		} else {
 			unproven[node] = true
