@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime/pprof"
 	"strings"
 	"sync"
@@ -315,17 +316,20 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		movers = d.trackChains(gp.Movers())
 	}
 	ecfg := engine.Config{
-		Mounts:              mounts,
-		NewPolicy:           build.New,
-		Fsync:               cfg.Engine.Fsync,
-		IOWorkers:           workers,
-		YieldBytes:          int64(cfg.Engine.YieldBytes),
-		CPUs:                cfg.Engine.CPUs,
-		StagingBytes:        int64(cfg.Engine.StagingMemory),
-		VerifyInterval:      time.Duration(cfg.Engine.VerifyInterval),
-		TempGrace:           time.Duration(cfg.Engine.TempGrace),
-		RestartHold:         time.Duration(cfg.Engine.RestartHold),
-		NodeID:              cfg.Engine.NodeID,
+		Mounts:         mounts,
+		NewPolicy:      build.New,
+		Fsync:          cfg.Engine.Fsync,
+		IOWorkers:      workers,
+		YieldBytes:     int64(cfg.Engine.YieldBytes),
+		CPUs:           cfg.Engine.CPUs,
+		StagingBytes:   int64(cfg.Engine.StagingMemory),
+		VerifyInterval: time.Duration(cfg.Engine.VerifyInterval),
+		TempGrace:      time.Duration(cfg.Engine.TempGrace),
+		RestartHold:    time.Duration(cfg.Engine.RestartHold),
+		NodeID:         cfg.Engine.NodeID,
+		// The plugin's file name, not its path: nodes may keep one
+		// plugin under other directories.
+		PolicyName:          filepath.Base(cfg.Policy.Name),
 		TickInterval:        time.Duration(cfg.Engine.TickInterval),
 		MountUpdateInterval: time.Duration(cfg.Engine.MountUpdateInterval),
 		NoReuse:             !cfg.Engine.Reuse(),
