@@ -291,6 +291,13 @@ type Config struct {
 	// Namespaces of files found on disk do not count until declared.
 	// Declare refuses a new one beyond it with ErrLimit.
 	MaxNamespaces int
+	// Budgets are byte budgets per namespace (budget.go, docs/engine.md
+	// "Byte budgets"): at most one budget applies to a namespace, the one
+	// whose Model matches its model id (Budget.Matches) with the longest
+	// pattern. Open refuses a budget without a pattern, one whose floor
+	// exceeds its bytes, two of one pattern, and floors whose sum exceeds
+	// the mounts' capacity. They apply at Open: a reload keeps them.
+	Budgets []Budget
 	// Logger receives the engine's logs (default: slog.Default()).
 	Logger *slog.Logger
 	// Movers builds, per region kind, the data mover of each mount (called
@@ -313,6 +320,39 @@ type Config struct {
 	// description is sent to the policy (abi.FeatureMounts); default
 	// DefaultMountUpdateInterval, negative sends only the one at Open.
 	MountUpdateInterval time.Duration
+}
+
+// Budget is a byte budget of the namespaces whose model id matches Model
+// (Config.Budgets). The namespaces it covers together hold Bytes in the
+// engine's index without being singled out: beyond it, an eviction takes
+// their files first. Floor, at most Bytes, is what an eviction leaves
+// them whatever the policy ranks, unless their own files are what makes
+// the room (an eviction takes another namespace's files first).
+type Budget struct {
+	// Model is the model id (Geometry.Model) the budget covers, exactly,
+	// or every model id that begins with it less its final "*" where it
+	// ends with one ("vllm:meta-llama/Llama-3.1-8B:*": every identity
+	// of that model the vLLM tier declares).
+	Model string
+	// Bytes is the budget: the bytes the namespaces hold before an
+	// eviction takes their files first. 0: no budget, only the floor.
+	Bytes int64
+	// Floor is the bytes an eviction never takes them below (0: none).
+	Floor int64
+}
+
+// BudgetStats is the use of one budget (Stats.Budgets).
+type BudgetStats struct {
+	Model  string // the budget's pattern (Budget.Model)
+	Bytes  int64  // the bytes of the indexed files of the namespaces it covers
+	Budget int64  // Budget.Bytes
+	Floor  int64  // Budget.Floor
+	// Over is how many times an eviction took a file of its namespaces
+	// because they were over the budget.
+	Over int64
+	// Kept is how many times an eviction skipped a file of its
+	// namespaces because taking it would cross the floor.
+	Kept int64
 }
 
 // DefaultMaxNamespaces is Config.MaxNamespaces when it is zero.
@@ -622,6 +662,8 @@ type Stats struct {
 	// files indexed, and those declared now with none, the most bytes
 	// first.
 	Namespaces []NamespaceStats
+	// Budgets is the use of each of Config.Budgets, in its order.
+	Budgets []BudgetStats
 }
 
 // NamespaceStats is what the index holds of one namespace.
@@ -638,6 +680,9 @@ type NamespaceStats struct {
 	Files    int   // files indexed
 	Keys     int   // keys indexed
 	Bytes    int64 // the files' bytes, headers included
+	// Budget is the pattern of the budget that covers the namespace
+	// (Budget.Model; "" for none): its use is in Stats.Budgets.
+	Budget string
 }
 
 // The Engine's methods, for reference (implemented in engine.go, store.go,
