@@ -68,6 +68,18 @@ class TestLookupTable(unittest.TestCase):
                 self.assertEqual(other.lookup(ns2, keys[:3]), 3)
                 self.assertEqual(other.lookup_counts(), {"table": 1, "daemon": 0})
 
+    def test_a_lookup_of_kept_digests_answers_as_a_lookup_of_its_keys(self):
+        with daemon_with_keys(20, shared=False) as (_, c, ns, keys):
+            digests = c.key_digests(ns, keys)
+            self.assertEqual(len(digests), 16 * len(keys))
+            before = c.lookup_counts()
+            self.assertEqual(c.lookup_digests(ns, keys, digests), 20)
+            asked = keys[:5] + [b"table-key-absent"] + keys[5:]
+            self.assertEqual(c.lookup_digests(ns, asked, c.key_digests(ns, asked)), c.lookup(ns, asked))
+            self.assertEqual(c.lookup(ns, asked), 5)
+            after = c.lookup_counts()
+            self.assertEqual(after["daemon"], before["daemon"], "the table answered every lookup")
+
     def test_only_touch_counts_hits_at_the_daemon(self):
         with daemon_with_keys(3, shared=False) as (d, c, ns, keys):
             hits = c.stats()["hits"]
@@ -308,6 +320,36 @@ class TestNativeProbe(unittest.TestCase):
                 self.assertEqual(native.leading(fp ^ 1, stored[:5])[0], 0, "another namespace's keys")
                 native.close()
                 python.close()
+
+    def test_probes_of_kept_digests_answer_as_probes_of_their_keys(self):
+        need_native(self)
+        need_python_probe(self)
+        rng = random.Random(3)
+        fp = rng.getrandbits(64)
+        stored = [rng.randbytes(rng.randint(1, 64)) for _ in range(700)]
+        absent = [rng.randbytes(32) for _ in range(50)]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t")
+            write_table(path, 10, fp, stored)
+            for native in (True, False):
+                t = lookuptable.LookupTable(path, native=native)
+                self.addCleanup(t.close)
+                place = {k: t.digest(fp, k) for k in stored + absent}
+                self.assertEqual(place[stored[0]], hashlib.sha256(struct.pack("<Q", fp) + stored[0]).digest()[:16])
+                for _ in range(200):
+                    keys = rng.sample(stored, rng.randint(1, 40))
+                    if rng.random() < 0.5:
+                        keys.insert(rng.randint(0, len(keys)), rng.choice(absent))
+                    digests = b"".join(place[k] for k in keys)
+                    self.assertEqual(t.leading_digests(digests), t.leading(fp, keys), native)
+                    self.assertEqual(t.leading_digests(bytearray(digests)), t.leading(fp, keys), native)
+                keys = stored[:40] + absent[:1]  # a miss past the first batch of 32
+                self.assertEqual(t.leading_digests(b"".join(place[k] for k in keys))[0], 40)
+                for bad in (b"", b"x" * 15, b"x" * 17, b"x" * 16 * 4097):
+                    with self.assertRaises(ValueError, msg=f"{len(bad)} bytes, native {native}"):
+                        t.leading_digests(bad)
+                with self.assertRaises(ValueError):
+                    t.digest(fp, b"")  # a key the protocol refuses
 
     def test_removed_slots_are_passed_over_and_their_keys_miss(self):
         need_native(self)

@@ -555,7 +555,12 @@ class DaemonTest(unittest.TestCase):
         def lookup(client, ns, keys):  # every key held
             asked.append(len(keys))
             return len(keys)
-        with mock.patch.object(kvhost.Client, "lookup", lookup):
+
+        def lookup_digests(client, ns, keys, digests):  # the keys' digests, hashed once
+            self.assertEqual(len(digests), 16 * len(keys))
+            return lookup(client, ns, keys)
+        with mock.patch.object(kvhost.Client, "lookup", lookup), \
+                mock.patch.object(kvhost.Client, "lookup_digests", lookup_digests):
             hit = sched._scheduler.hit_tokens(req, 0)
         keys = P.MAX_KEYS_PER_REQUEST + 3 - 1  # vLLM computes the prompt's last token: its key is not claimed
         self.assertEqual((hit, asked), (keys * CHUNK, [P.MAX_KEYS_PER_REQUEST, 2]))

@@ -253,23 +253,58 @@ static PyObject *key_seq(PyObject *keys) {
     return PySequence_Tuple(keys);
 }
 
-/* probe is leading's work on the table's buffer and the keys (a list or
- * tuple from key_seq), which the caller holds and releases: a new
- * reference, or NULL with an error set. */
-static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyObject *keys) {
-    if (shift >= 31) { /* leading checked it */
+/* check_table checks the table's buffer for 2^shift slots. */
+static int check_table(const Py_buffer *tb, unsigned int shift) {
+    if (shift >= 31) { /* the callers checked it */
         PyErr_Format(PyExc_ValueError, "a table of 2^%u slots", shift);
-        return NULL;
+        return -1;
     }
     if ((uint64_t)tb->len < 8 * HEADER_WORDS + ((uint64_t)8 << shift)) {
         PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes: it needs %llu", shift, tb->len,
                      (unsigned long long)(8 * HEADER_WORDS + ((uint64_t)8 << shift)));
-        return NULL;
+        return -1;
     }
     if ((uintptr_t)tb->buf % 8 != 0) { /* a mapping is page-aligned */
         PyErr_SetString(PyExc_ValueError, "the table's buffer is not 8-byte aligned");
-        return NULL;
+        return -1;
     }
+    return 0;
+}
+
+/* A digest source gives the first 16 bytes of key i's SHA-256(fp || key):
+ * hashed from the key (keys_source) or read from digests the caller made
+ * once (digests_source). It returns -1 with an error set. */
+typedef int (*digest_fn)(void *src, Py_ssize_t i, uint8_t out[16]);
+
+struct keys_source {
+    PyObject **items;
+    uint64_t fp;
+};
+
+static int keys_source(void *src, Py_ssize_t i, uint8_t out[16]) {
+    struct keys_source *ks = src;
+    const uint8_t *kp;
+    Py_ssize_t kn;
+    Py_buffer view;
+    int held;
+    if (key_bytes(ks->items[i], &kp, &kn, &view, &held) < 0)
+        return -1;
+    uint8_t d[32];
+    digest(best_compress, ks->fp, kp, (size_t)kn, d);
+    if (held)
+        PyBuffer_Release(&view);
+    memcpy(out, d, 16);
+    return 0;
+}
+
+static int digests_source(void *src, Py_ssize_t i, uint8_t out[16]) {
+    memcpy(out, (const uint8_t *)src + 16 * i, 16);
+    return 0;
+}
+
+/* probe_slots is the probe itself, over count keys whose digests next
+ * gives: a new reference to (n, final) or None, or NULL with an error set. */
+static PyObject *probe_slots(const Py_buffer *tb, unsigned int shift, Py_ssize_t count, digest_fn next, void *src) {
     const uint64_t *header = tb->buf;
     const uint64_t *slots = header + HEADER_WORDS;
     const uint64_t mask = ((uint64_t)1 << shift) - 1;
@@ -280,26 +315,9 @@ static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyO
      * flags are loaded once, here, before the probe. */
     uint64_t seq = __atomic_load_n(&header[SEQ_WORD], __ATOMIC_ACQUIRE);
     uint64_t flags = __atomic_load_n(&header[FLAGS_WORD], __ATOMIC_ACQUIRE);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(keys), n = count;
-    /* Every key is checked as the daemon would, by its bytes, before the
-     * first probe (the answer may stop at the first miss). */
-    if (count < 1 || count > MAX_KEYS) {
-        PyErr_Format(PyExc_ValueError, "%zd keys: want 1..%d", count, MAX_KEYS);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        const uint8_t *kp;
-        Py_ssize_t kn;
-        Py_buffer view;
-        int held;
-        if (key_bytes(items[i], &kp, &kn, &view, &held) < 0)
-            return NULL;
-        if (held)
-            PyBuffer_Release(&view);
-    }
     if ((seq & 1) || (flags & FLAG_CLOSED))
         Py_RETURN_NONE;
+    Py_ssize_t n = count;
     /* Keys are hashed a batch at a time and their home slots prefetched
      * before the first is probed, so that the batch's cache misses on the
      * table overlap instead of following one another. */
@@ -307,16 +325,9 @@ static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyO
     for (Py_ssize_t base = 0; base < count && n == count; base += PROBE_BATCH) {
         Py_ssize_t batch = count - base < PROBE_BATCH ? count - base : PROBE_BATCH;
         for (Py_ssize_t b = 0; b < batch; b++) {
-            const uint8_t *kp;
-            Py_ssize_t kn;
-            Py_buffer view;
-            int held;
-            if (key_bytes(items[base + b], &kp, &kn, &view, &held) < 0)
+            uint8_t d[16];
+            if (next(src, base + b, d) < 0)
                 return NULL;
-            uint8_t d[32];
-            digest(best_compress, fp, kp, (size_t)kn, d);
-            if (held)
-                PyBuffer_Release(&view);
             tags[b] = load_le64(d);
             if (tags[b] <= 1)
                 tags[b] += 2;
@@ -343,26 +354,61 @@ static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyO
     return Py_BuildValue("(nO)", n, final ? Py_True : Py_False);
 }
 
+/* probe is leading's work on the table's buffer and the keys (a list or
+ * tuple from key_seq), which the caller holds and releases: a new
+ * reference, or NULL with an error set. */
+static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyObject *keys) {
+    if (check_table(tb, shift) < 0)
+        return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(keys);
+    /* Every key is checked as the daemon would, by its bytes, before the
+     * first probe (the answer may stop at the first miss). */
+    if (count < 1 || count > MAX_KEYS) {
+        PyErr_Format(PyExc_ValueError, "%zd keys: want 1..%d", count, MAX_KEYS);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const uint8_t *kp;
+        Py_ssize_t kn;
+        Py_buffer view;
+        int held;
+        if (key_bytes(items[i], &kp, &kn, &view, &held) < 0)
+            return NULL;
+        if (held)
+            PyBuffer_Release(&view);
+    }
+    struct keys_source ks = {items, fp};
+    return probe_slots(tb, shift, count, keys_source, &ks);
+}
+
+/* parse_shift reads the slots' log2, 0..30 as the format allows: checked
+ * here, not wrapped to an unsigned int (format "I" would take 2^32 + 10
+ * for 10). */
+static int parse_shift(PyObject *shifto, unsigned int *shift) {
+    int overflow;
+    long long sh = PyLong_AsLongLongAndOverflow(shifto, &overflow);
+    if (sh == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || sh < 0 || sh > 30) {
+        PyErr_Format(PyExc_ValueError, "shift %R: want 0..30 (the log2 of the table's slots)", shifto);
+        return -1;
+    }
+    *shift = (unsigned int)sh;
+    return 0;
+}
+
 static PyObject *leading(PyObject *self, PyObject *args) {
     Py_buffer table;
     PyObject *shifto, *fpo, *keys;
     (void)self;
     if (!PyArg_ParseTuple(args, "y*OOO", &table, &shifto, &fpo, &keys))
         return NULL;
-    /* The slots' log2, 0..30 as the format allows: checked here, not
-     * wrapped to an unsigned int (format "I" would take 2^32 + 10 for 10). */
-    int overflow;
-    long long sh = PyLong_AsLongLongAndOverflow(shifto, &overflow);
-    if (sh == -1 && PyErr_Occurred()) {
+    unsigned int shift;
+    if (parse_shift(shifto, &shift) < 0) {
         PyBuffer_Release(&table);
         return NULL;
     }
-    if (overflow || sh < 0 || sh > 30) {
-        PyErr_Format(PyExc_ValueError, "shift %R: want 0..30 (the log2 of the table's slots)", shifto);
-        PyBuffer_Release(&table);
-        return NULL;
-    }
-    unsigned int shift = (unsigned int)sh;
     /* The fingerprint is a u64: a negative or larger one is refused, as
      * struct.pack("<Q") refuses it in the Python probe. */
     unsigned long long fp = PyLong_AsUnsignedLongLong(fpo);
@@ -377,6 +423,32 @@ static PyObject *leading(PyObject *self, PyObject *args) {
     }
     PyObject *result = probe(&table, shift, fp, keys);
     Py_DECREF(keys);
+    PyBuffer_Release(&table);
+    return result;
+}
+
+PyDoc_STRVAR(leading_digests_doc,
+             "leading_digests(table, shift, digests) -> (n, final) or None\n\n"
+             "leading's probe over keys hashed once: digests holds, per key, the\n"
+             "first 16 bytes of digest(fp, key), key after key (1..4096 keys).");
+
+static PyObject *leading_digests(PyObject *self, PyObject *args) {
+    Py_buffer table, digests;
+    PyObject *shifto;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*Oy*", &table, &shifto, &digests))
+        return NULL;
+    PyObject *result = NULL;
+    unsigned int shift;
+    if (parse_shift(shifto, &shift) == 0 && check_table(&table, shift) == 0) {
+        Py_ssize_t count = digests.len / 16;
+        if (digests.len % 16 != 0 || count < 1 || count > MAX_KEYS)
+            PyErr_Format(PyExc_ValueError, "%zd bytes of digests: want 16 per key, 1..%d keys", digests.len,
+                         MAX_KEYS);
+        else
+            result = probe_slots(&table, shift, count, digests_source, digests.buf);
+    }
+    PyBuffer_Release(&digests);
     PyBuffer_Release(&table);
     return result;
 }
@@ -409,6 +481,7 @@ static PyObject *py_digest(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyMethodDef methods[] = {
     {"leading", leading, METH_VARARGS, leading_doc},
+    {"leading_digests", leading_digests, METH_VARARGS, leading_digests_doc},
     {"digest", (PyCFunction)(void (*)(void))py_digest, METH_VARARGS | METH_KEYWORDS, digest_doc},
     {NULL, NULL, 0, NULL},
 };

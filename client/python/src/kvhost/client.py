@@ -768,6 +768,44 @@ class Client:
             return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
         return self._lookup_daemon(ns, p.keys_body(keys))
 
+    def key_digests(self, ns, keys):
+        """The bytes that place keys in the shared lookup table (16 per key,
+        key after key), for lookup_digests: a caller that asks about the
+        same keys again and again (a scheduler, for a waiting request)
+        hashes them once. None where this process cannot read the table
+        (then call lookup). The keys are checked as the daemon checks them
+        (ValueError)."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        table = self._table if self._table is not None else self._open_table()
+        fp = self._fps.get(ns)
+        if not table or fp is None:
+            return None
+        return b"".join(table.digest(fp, k) for k in keys)
+
+    def lookup_digests(self, ns, keys, digests):
+        """lookup of keys whose key_digests the caller kept: the same
+        answer, without hashing the keys again where the table answers."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        table = self._table
+        got = None
+        if table and self._fps.get(ns) is not None:
+            if self._closed is not None:
+                raise _again(self._closed)
+            try:
+                got = table.leading_digests(digests)
+            except ValueError:
+                if self._closed is not None:
+                    raise _again(self._closed) from None
+                raise
+        if got is None:
+            return self.lookup(ns, keys)
+        n, final = got
+        if n == len(keys) or final:
+            with self._lookups_lock:
+                self._lookups["table"] += 1
+            return n
+        return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
+
     def _probe(self, ns, keys):
         """The shared lookup table's answer (n, final) about keys, or None
         where it gives none. A frame of its own: the table is not held by

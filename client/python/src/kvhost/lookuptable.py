@@ -21,7 +21,7 @@ import stat
 import struct
 import sys
 
-from kvhost.protocol import check_keys
+from kvhost.protocol import MAX_KEYS_PER_REQUEST as MAX_KEYS, check_keys
 
 MAGIC = b"KVHLKT01"
 VERSION = 1
@@ -115,8 +115,10 @@ class LookupTable:
         if self.native:
             # The C probe, called with no Python frame between.
             self.leading = functools.partial(_lookup.leading, self._map, shift)
+            self.leading_digests = functools.partial(_lookup.leading_digests, self._map, shift)
         elif not ORDERED_LOADS:
             self.leading = self._unordered
+            self.leading_digests = self._unordered_digests
         self.path = path
 
     def leading(self, fp, keys):
@@ -127,23 +129,47 @@ class LookupTable:
         number and lengths are checked first, as the daemon checks them
         (ValueError)."""
         check_keys(keys)
-        header, slots, mask = self._header, self._slots, self._mask
-        seq = header[_SEQ]
-        flags = header[_FLAGS]
-        if seq & 1 or flags & FLAG_CLOSED:
-            return None
         # A copy of the namespace's hashed prefix, updated with the key:
         # 0.7 of the time of hashing prefix + key afresh (CPython's
         # OpenSSL hashes: each new object costs more than a copy).
         base = self._prefixes.get(fp)
         if base is None:
             base = self._prefixes[fp] = hashlib.sha256(_FP.pack(fp))
-        unpack = _TAG_HOME.unpack_from
-        n = len(keys)
-        for i, key in enumerate(keys):
-            h = base.copy()
-            h.update(key)
-            tag, home = unpack(h.digest())
+
+        def placed():
+            for key in keys:
+                h = base.copy()
+                h.update(key)
+                yield _TAG_HOME.unpack_from(h.digest())
+        return self._probe(len(keys), placed())
+
+    def digest(self, fp, key):
+        """The 16 bytes that place key in the table (the first of
+        SHA-256(fp || key)): made once per key and probed, for as long as
+        the key is asked about, by leading_digests. The key is checked as
+        the daemon checks it (ValueError)."""
+        check_keys([key])
+        if _lookup is not None:
+            return _lookup.digest(fp, key)[:16]
+        return hashlib.sha256(_FP.pack(fp) + bytes(key)).digest()[:16]
+
+    def leading_digests(self, digests):
+        """leading over keys placed once (digest): digests holds each key's
+        16 bytes, key after key (1..4096 keys)."""
+        if len(digests) % 16 or not 0 < len(digests) // 16 <= MAX_KEYS:
+            raise ValueError(f"{len(digests)} bytes of digests: want 16 per key, 1..{MAX_KEYS} keys")
+        n = len(digests) // 16
+        return self._probe(n, (_TAG_HOME.unpack_from(digests, 16 * i) for i in range(n)))
+
+    def _probe(self, n, placed):
+        """The Python probe of n keys whose (tag, home) placed gives."""
+        header, slots, mask = self._header, self._slots, self._mask
+        seq = header[_SEQ]
+        flags = header[_FLAGS]
+        if seq & 1 or flags & FLAG_CLOSED:
+            return None
+        held = n
+        for i, (tag, home) in enumerate(placed):
             if tag <= 1:
                 tag += 2
             j = home & mask
@@ -155,11 +181,15 @@ class LookupTable:
                     v = slots[j]
                     probes += 1
                 if v != tag:
-                    n = i
+                    held = i
                     break
         if header[_SEQ] != seq:
             return None
-        return n, flags & (FLAG_MISSES_FINAL | FLAG_INCOMPLETE) == FLAG_MISSES_FINAL
+        return held, flags & (FLAG_MISSES_FINAL | FLAG_INCOMPLETE) == FLAG_MISSES_FINAL
+
+    def _unordered_digests(self, digests):
+        """leading_digests where the Python probe cannot answer: None."""
+        return None
 
     def _unordered(self, fp, keys):
         """leading where the Python probe's loads may be reordered

@@ -252,10 +252,11 @@ class WorkerMeta:
 class _ReqState:
     """The scheduler's record of one request: its keys so far, its block
     ids, the lookup's answer, what it claimed, and its saves."""
-    __slots__ = ("req", "keys", "blocks", "computed", "hit", "claimed", "next_save", "saved")
+    __slots__ = ("req", "keys", "digests", "blocks", "computed", "hit", "claimed", "next_save", "saved")
 
     def __init__(self, req):
         self.req, self.keys, self.blocks = req, [], []
+        self.digests = {}       # ns -> (client, the keys' key_digests so far): hashed once per key
         self.computed = self.hit = self.claimed = 0
         self.next_save = 0      # the first chunk not yet stored nor known stored
         self.saved = False      # a save of it went to the workers (request_finished delays the free)
@@ -394,7 +395,7 @@ class ConnectorScheduler(_Half):
         try:
             n = last - first
             for ns in nss:  # every rank must hold a key
-                n = min(n, self._leading(client, ns, keys, first, n))
+                n = min(n, self._leading(client, ns, keys, first, n, self._digests(st, client, ns, keys)))
         except (KvhostError, ConnectionLost, OSError, ValueError) as e:
             self._stats["lookup_errors"] += 1
             if lost_connection(e, client):
@@ -406,13 +407,34 @@ class ConnectorScheduler(_Half):
         return max(computed, (first + n) * self._chunk)
 
     @staticmethod
-    def _leading(client, ns, keys, first, n):
+    def _digests(st, client, ns, keys):
+        """The request's keys' places in the lookup table (key_digests),
+        made once per key and grown with its keys, for this connection;
+        None where the client cannot read the table."""
+        d = st.digests.get(ns)
+        if d is None or d[0] is not client:
+            d = st.digests[ns] = (client, bytearray())
+        have = len(d[1]) // 16
+        if have < len(keys):
+            more = client.key_digests(ns, keys[have:])
+            if more is None:
+                return None
+            d[1].extend(more)
+        return d[1]
+
+    @staticmethod
+    def _leading(client, ns, keys, first, n, digests=None):
         """How many of keys[first:first + n] ns holds in a row, asked in
-        requests of at most MAX_KEYS_PER_REQUEST keys."""
+        requests of at most MAX_KEYS_PER_REQUEST keys (probed by their
+        digests where there are)."""
         held = 0
         while held < n:
             want = min(n - held, p.MAX_KEYS_PER_REQUEST)
-            got = client.lookup(ns, keys[first + held:first + held + want])
+            a, b = first + held, first + held + want
+            if digests is not None:
+                got = client.lookup_digests(ns, keys[a:b], digests[16 * a:16 * b])
+            else:
+                got = client.lookup(ns, keys[a:b])
             held += got
             if got < want:
                 break
