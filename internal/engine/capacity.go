@@ -87,7 +87,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 	if _, capacity := e.space.Usage(m.sp); size > capacity {
 		return e.exceedsCapacity(m, size, capacity)
 	}
-	stopped := e.evict(ctx, m, size)
+	note, stopped := e.evictNoted(ctx, m, size)
 	if reserve(space.Capacity) {
 		return nil
 	}
@@ -103,6 +103,9 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 		if twin := c.TwinNote(); twin != "" {
 			why = twin
 		}
+	}
+	if note != "" {
+		why += "; " + note
 	}
 	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, %s", ErrNoSpace, m.root, used, capacity, size, why)
 }
@@ -150,14 +153,25 @@ func (e *Engine) unreserve(m *mount, size int64) {
 // with ctx's error: the files already claimed are removed, and the
 // policy told. m.evictMu is held.
 func (e *Engine) evict(ctx context.Context, m *mount, size int64) error {
-	if err := e.evictRounds(ctx, m, size); err != nil {
-		return err
-	}
-	return e.hold.demote(ctx, m, size)
+	_, err := e.evictNoted(ctx, m, size)
+	return err
 }
 
-// evictRounds is evict without demoteHeld.
-func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
+// evictNoted is evict, also returning why files the policy offered were
+// left: the budgets' floors that kept them (budgetRound.floorNote), or "".
+func (e *Engine) evictNoted(ctx context.Context, m *mount, size int64) (string, error) {
+	note, err := e.evictRounds(ctx, m, size)
+	if err != nil {
+		return note, err
+	}
+	return note, e.hold.demote(ctx, m, size)
+}
+
+// evictRounds is evict without demoteHeld. With budgets (budget.go), a
+// round asks the policy for up to victimBatch victims whatever their
+// bytes, and takes first those of namespaces over their budget, then any
+// other that leaves every floor kept, each pass in the policy's order.
+func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) (note string, _ error) {
 	stopped := func() error {
 		return fmt.Errorf("engine: mount %s: eviction stopped: %w", m.root, ctx.Err())
 	}
@@ -168,15 +182,22 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 		// beside them below the capacity.
 		need := e.space.Need(m.sp, size)
 		if need <= 0 {
-			return nil
+			return note, nil
 		}
 		if ctx.Err() != nil {
-			return stopped() // no file is deleted for a caller that gave up
+			return note, stopped() // no file is deleted for a caller that gave up
 		}
 		if e.pol.hitRec != nil {
 			e.pol.hitRec.flush() // rank with every hit reported so far
 		}
 		req := abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.cfg.Now().UnixNano()), Mount: uint32(m.idx)}
+		br := e.tables.budgetRound(e.ix.FingerprintCounts)
+		passes := []int{passAny}
+		if br != nil {
+			// More victims than the room needs: some may be kept.
+			used, _ := e.space.Usage(m.sp)
+			req.Bytes, passes = uint64(max(need, used)), []int{passOver, passAny}
+		}
 		var victims []policy.Eviction
 		var err error
 		if m.cluster != nil {
@@ -186,54 +207,68 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 		}
 		if err != nil {
 			e.cfg.Logger.Warn("engine: policy victims", "mount", m.root, "err", err)
-			return nil
+			return note, nil
 		}
 		var freed int64
 		var recs []abi.AccessRecord
 		var claimed []*entry // files to remove (or keep as spares), paths held
 		var stop error
-		for _, v := range victims {
-			if freed >= need {
-				break
-			}
-			if ctx.Err() != nil {
-				stop = stopped()
-				break
-			}
-			if v.Target.Mount != abi.NoMount { // a demotion (demote.go)
-				n, del := e.tier.demoteVictim(ctx, m, v)
-				freed += n
-				if !del {
+		taken := make([]bool, len(victims))
+		for _, pass := range passes {
+			for i, v := range victims {
+				if freed >= need || stop != nil {
+					break
+				}
+				if taken[i] {
 					continue
 				}
+				if ctx.Err() != nil {
+					stop = stopped()
+					break
+				}
+				if v.Target.Mount != abi.NoMount { // a demotion (demote.go)
+					if pass != passAny {
+						continue // the key stays: not the budget's room
+					}
+					n, del := e.tier.demoteVictim(ctx, m, v)
+					freed += n
+					if !del {
+						continue
+					}
+				}
+				// Hold the path while removing: a store publishing there
+				// meanwhile waits, and its new file is never removed. The
+				// file counts as used until evictAll (or the path's holder)
+				// has removed it, or kept it as a spare.
+				en, c, rec, ok := e.ix.EvictID(v.Entry, func(en *entry) bool {
+					return en.Mount == m.idx && m.mayEvict(en) && br.pick(pass, en.FP, en.Size)
+				}, e.cfg.Now().UnixNano())
+				if !ok {
+					continue
+				}
+				taken[i] = true
+				if c {
+					claimed = append(claimed, en)
+				}
+				recs = append(recs, rec)
+				freed += en.Size
+				e.st.evictions.Add(1)
 			}
-			// Hold the path while removing: a store publishing there
-			// meanwhile waits, and its new file is never removed. The
-			// file counts as used until evictAll (or the path's holder)
-			// has removed it, or kept it as a spare.
-			en, c, rec, ok := e.ix.EvictID(v.Entry, func(en *entry) bool {
-				return en.Mount == m.idx && m.mayEvict(en)
-			}, e.cfg.Now().UnixNano())
-			if !ok {
-				continue
-			}
-			if c {
-				claimed = append(claimed, en)
-			}
-			recs = append(recs, rec)
-			freed += en.Size
-			e.st.evictions.Add(1)
+		}
+		br.done()
+		if n := br.floorNote(); n != "" {
+			note = n
 		}
 		e.evictAll(claimed)
 		e.access(ctx, recs)
 		if stop != nil {
-			return stop
+			return note, stop
 		}
 		if freed == 0 {
-			return nil
+			return note, nil
 		}
 	}
-	return nil
+	return note, nil
 }
 
 // evictWorkers is the most evicted files one eviction removes (or keeps

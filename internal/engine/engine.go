@@ -192,6 +192,11 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.cfg.Now, e.access, DefaultMaxPinnedOpen()
 	e.chk = &checker{fs: e.fs, now: cfg.Now, log: cfg.Logger, ix: e.ix, hd: e.hd, pins: &e.pinTab, rm: e.rm}
 	e.tables = newTables(cfg.MaxNamespaces, e.ix.Holds)
+	budgets, err := newBudgetSet(cfg.Budgets)
+	if err != nil {
+		return nil, fmt.Errorf("engine: %w", err)
+	}
+	e.tables.budgets = budgets
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	e.own = &ownFiles{fs: e.fs, log: e.cfg.Logger, now: e.cfg.Now, grace: cfg.TempGrace, node: nodeName(cfg.NodeID), token: newToken(), dirs: newDirCache(e.fs, cfg.Fsync), rm: e.rm,
@@ -246,6 +251,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts
+	if err := e.tables.budgets.checkFloors(e.capacity()); err != nil {
+		return nil, fmt.Errorf("engine: %w", err)
+	}
 	e.tier = newTiering(e)
 	e.hold = newRestartHold(e)
 	const bufSize = 4 << 20
@@ -325,7 +333,9 @@ func (e *Engine) Stats() Stats {
 		StoreFailures: e.st.fails.stats(0), LoadFailures: e.st.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.Size()
-	s.Namespaces = e.tables.stats(e.ix.FingerprintCounts())
+	counts := e.ix.FingerprintCounts()
+	s.Namespaces = e.tables.stats(counts)
+	s.Budgets = e.tables.budgetStats(counts, s.Namespaces)
 	rooms := e.space.Usages()
 	for i, m := range e.mounts {
 		sp := rooms[i]

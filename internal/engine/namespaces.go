@@ -35,6 +35,8 @@ type tables struct {
 	// holds reports whether the index holds a file of fingerprint fp
 	// (index.Index.Holds): such a namespace's id is not given back.
 	holds func(fp uint64) bool
+	// budgets are Config.Budgets (budget.go), set at Open; nil for none.
+	budgets *budgetSet
 }
 
 // newTables returns empty tables bounding declarations at max.
