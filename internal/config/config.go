@@ -6,6 +6,7 @@ package config
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -44,13 +45,30 @@ func invalidf(format string, args ...any) error {
 
 // Config is the whole configuration of a kvhost daemon.
 type Config struct {
-	Server  Server  `toml:"server"`  // [server]: the socket and per-client limits
-	Log     Log     `toml:"log"`     // [log]: level and format
-	Policy  Policy  `toml:"policy"`  // [policy]: the placement policy
-	Engine  Engine  `toml:"engine"`  // [engine]: the storage engine's data path
-	Mounts  []Mount `toml:"mount"`   // [[mount]]: the cache roots; without any, <cache root>/blocks
-	GPU     GPU     `toml:"gpu"`     // [gpu]: the data paths for GPU memory
-	Metrics Metrics `toml:"metrics"` // [metrics]: the metrics and probes listener
+	Server  Server   `toml:"server"`  // [server]: the socket and per-client limits
+	Log     Log      `toml:"log"`     // [log]: level and format
+	Policy  Policy   `toml:"policy"`  // [policy]: the placement policy
+	Engine  Engine   `toml:"engine"`  // [engine]: the storage engine's data path
+	Mounts  []Mount  `toml:"mount"`   // [[mount]]: the cache roots; without any, <cache root>/blocks
+	GPU     GPU      `toml:"gpu"`     // [gpu]: the data paths for GPU memory
+	Metrics Metrics  `toml:"metrics"` // [metrics]: the metrics and probes listener
+	Budgets []Budget `toml:"budget"`  // [[budget]]: byte budgets per namespace
+}
+
+// Budget is a byte budget of the namespaces of a model id ([[budget]];
+// docs/config.md, docs/engine.md "Byte budgets"). They apply at start: a
+// reload keeps them and reports a change as needing a restart.
+type Budget struct {
+	// Model is the model id the budget covers, exactly, or every model id
+	// beginning with it less its final "*" where it ends with one
+	// ("vllm:meta-llama_Llama-3.1-8B-Instruct:*").
+	Model string `toml:"model"`
+	// Bytes is the budget: beyond it, evictions take the namespaces'
+	// files first. 0: none, only the floor.
+	Bytes Size `toml:"bytes"`
+	// Floor is what an eviction for another namespace never takes them
+	// below: at most Bytes, and all floors within the mounts' capacity.
+	Floor Size `toml:"floor"`
 }
 
 // Metrics configures the optional HTTP listener serving Prometheus metrics
@@ -1011,7 +1029,50 @@ func (c *Config) Validate() error {
 		seen[filepath.Clean(m.Path)] = true
 		vllmFS = vllmFS || m.Layout == LayoutVLLMFS
 	}
+	if err := c.validateBudgets(); err != nil {
+		return err
+	}
 	return c.validateTieredMounts()
+}
+
+// validateBudgets checks the [[budget]] tables: each names a model id
+// once, with a floor within its bytes, and the floors together fit in
+// the capacity of the mounts of kvhost's layout where each sets one (the
+// engine checks again at start, against the capacity it finds).
+func (c *Config) validateBudgets() error {
+	bad := func(key, want string, got any) error { return &ValueError{Key: key, Want: want, Got: got} }
+	seen := map[string]bool{}
+	var floors Size
+	for _, b := range c.Budgets {
+		switch {
+		case b.Model == "" || b.Model == "*":
+			return bad("budget.model", `a model id, or a prefix of one ending in "*"`, strconv.Quote(b.Model))
+		case seen[b.Model]:
+			return bad("budget.model", "each model id once", fmt.Sprintf("%q twice", b.Model))
+		case b.Bytes < 0:
+			return bad("budget.bytes", "a size ≥ 0", fmt.Sprintf("%d (budget %q)", b.Bytes, b.Model))
+		case b.Floor < 0 || (b.Bytes > 0 && b.Floor > b.Bytes):
+			return bad("budget.floor", "a size from 0 to the budget's bytes", fmt.Sprintf("%d, bytes %d (budget %q)", b.Floor, b.Bytes, b.Model))
+		}
+		seen[b.Model] = true
+		floors += b.Floor
+	}
+	var capacity Size
+	for _, m := range c.Mounts {
+		if m.Layout == LayoutVLLMFS {
+			continue
+		}
+		if m.Capacity == 0 {
+			return nil // the file system's size: known at start
+		}
+		capacity += m.Capacity
+	}
+	if floors > capacity {
+		largest := slices.MaxFunc(c.Budgets, func(a, b Budget) int { return cmp.Compare(a.Floor, b.Floor) })
+		return bad("budget.floor", fmt.Sprintf("floors that sum to at most the mounts' capacity, %d", capacity),
+			fmt.Sprintf("%d in all (the largest: %d, budget %q)", floors, largest.Floor, largest.Model))
+	}
+	return nil
 }
 
 // validateTieredMounts checks the mounts the built-in tiered policy's

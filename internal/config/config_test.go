@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -196,6 +197,10 @@ func TestParseErrors(t *testing.T) {
 		{"a second mount's duplicate path", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "kvhost.toml:4: mount.path: want each mount once"},
 		{"high watermark zero", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0", "kvhost.toml:3: mount.high_watermark: want a fraction in (0, 1], got 0"},
 		{"low watermark zero", "[[mount]]\npath = \"/a\"\nlow_watermark = 0", "kvhost.toml:3: mount.low_watermark: want a fraction in (0, high_watermark), got 0"},
+		{"budget without a model", "[[budget]]\nbytes = \"1GiB\"", `kvhost.toml: budget.model: want a model id, or a prefix of one ending in "*", got ""`},
+		{"budget twice", "[[budget]]\nmodel = \"m\"\n[[budget]]\nmodel = \"m\"", `budget.model: want each model id once, got "m" twice`},
+		{"budget floor above its bytes", "[[budget]]\nmodel = \"m\"\nbytes = \"1GiB\"\nfloor = \"2GiB\"", `kvhost.toml:4: budget.floor: want a size from 0 to the budget's bytes, got 2147483648, bytes 1073741824 (budget "m")`},
+		{"budget floor beyond the mounts", "[[mount]]\npath = \"/a\"\ncapacity = \"1GiB\"\n[[budget]]\nmodel = \"big\"\nfloor = \"2GiB\"", `kvhost.toml:6: budget.floor: want floors that sum to at most the mounts' capacity, 1073741824, got 2147483648 in all (the largest: 2147483648, budget "big")`},
 		{"vllm-fs mount first", "[[mount]]\npath = \"/v\"\nlayout = \"vllm-fs\"\n[[mount]]\npath = \"/k\"",
 			`mount.layout: want every vllm-fs mount after every mount of kvhost's layout, got mount "/k" after a vllm-fs mount`},
 	}
@@ -212,6 +217,21 @@ func TestParseErrors(t *testing.T) {
 				t.Errorf("error %q does not contain %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// TestParseBudgets: [[budget]] tables parse into Config.Budgets in
+// their order, sizes with units, a floor within its bytes, and floors
+// within mounts whose capacity is the file system's are left to start.
+func TestParseBudgets(t *testing.T) {
+	src := "[[mount]]\npath = \"/a\"\n[[budget]]\nmodel = \"vllm:meta-llama/Llama-3.1-8B:*\"\nbytes = \"2TiB\"\nfloor = \"1TiB\"\n[[budget]]\nmodel = \"tenant-b\"\nbytes = \"10GiB\"\n"
+	c, err := Parse("kvhost.toml", []byte(src))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Budget{{Model: "vllm:meta-llama/Llama-3.1-8B:*", Bytes: 2 << 40, Floor: 1 << 40}, {Model: "tenant-b", Bytes: 10 << 30}}
+	if !reflect.DeepEqual(c.Budgets, want) {
+		t.Fatalf("Budgets = %+v, want %+v", c.Budgets, want)
 	}
 }
 

@@ -79,6 +79,16 @@ func mountCapacity(ctx context.Context, m config.Mount, statfs func(string) (fsy
 	return DefaultCapacity(st.Total), nil
 }
 
+// EngineBudgets is the engine's Config.Budgets from cfg's [[budget]]
+// tables.
+func EngineBudgets(cfg config.Config) []engine.Budget {
+	var out []engine.Budget
+	for _, b := range cfg.Budgets {
+		out = append(out, engine.Budget{Model: b.Model, Bytes: int64(b.Bytes), Floor: int64(b.Floor)})
+	}
+	return out
+}
+
 // DefaultCapacity is the capacity of a mount left 0 on a file system of
 // size bytes: 90% of it.
 func DefaultCapacity(size int64) int64 { return int64(float64(size) * 0.9) }

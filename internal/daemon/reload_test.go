@@ -37,6 +37,9 @@ func TestNeedsRestartNamesTheKeysAReloadDoesNotApply(t *testing.T) {
 			c.GPU.CuFile = "off"
 			c.Engine.Fsync = true
 		}, []string{"engine.fsync", "gpu.cufile", "metrics.listen"}},
+		{"budgets as one key", func(c *config.Config) {
+			c.Budgets = []config.Budget{{Model: "m", Bytes: 1 << 30}}
+		}, []string{"budget"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -339,6 +339,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		Logger:   log,
 		Movers:   movers,
 		FS:       d.fs,
+		Budgets:  EngineBudgets(cfg),
 	}
 	if d.metrics != nil {
 		ecfg.Observer = JobObserver(d.metrics)

@@ -323,15 +323,15 @@ type Config struct {
 }
 
 // Budget is a byte budget of the namespaces whose model id matches Model
-// (Config.Budgets). The namespaces it covers together hold Bytes in the
-// engine's index without being singled out: beyond it, an eviction takes
-// their files first. Floor, at most Bytes, is what an eviction leaves
-// them whatever the policy ranks, unless their own files are what makes
-// the room (an eviction takes another namespace's files first).
+// (Config.Budgets). Beyond Bytes, the files of the namespaces it covers
+// are the first an eviction takes, in the policy's order. Floor, at most
+// Bytes, is what an eviction never takes them below (whichever store it
+// makes room for): a store that finds no other room fails with
+// ErrNoSpace naming the budget and its floor.
 type Budget struct {
 	// Model is the model id (Geometry.Model) the budget covers, exactly,
 	// or every model id that begins with it less its final "*" where it
-	// ends with one ("vllm:meta-llama/Llama-3.1-8B:*": every identity
+	// ends with one ("vllm:meta-llama_Llama-3.1-8B-Instruct:*": every identity
 	// of that model the vLLM tier declares).
 	Model string
 	// Bytes is the budget: the bytes the namespaces hold before an

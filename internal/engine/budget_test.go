@@ -22,7 +22,7 @@ type burstResult struct {
 const (
 	burstMountFiles = 30
 	burstQuietKeys  = 12
-	burstOwnKeys  = 40
+	burstOwnKeys    = 40
 )
 
 // burstOnOneMount opens an engine of one mount of burstMountFiles one-key
