@@ -149,6 +149,9 @@ func engineSnapshot(st engine.Stats) metrics.EngineStats {
 	for i, ns := range st.Namespaces {
 		out.Namespaces[i] = metrics.NamespaceStats{Fingerprint: ns.Fingerprint, Model: ns.Model, Files: ns.Files, Keys: ns.Keys, Bytes: ns.Bytes}
 	}
+	for _, b := range st.Budgets {
+		out.Budgets = append(out.Budgets, metrics.BudgetStats{Model: b.Model, Bytes: b.Bytes, Budget: b.Budget, Floor: b.Floor, Over: b.Over, Kept: b.Kept})
+	}
 	for i, mt := range st.Mounts {
 		out.Mounts[i] = metrics.MountStats{
 			Path: mt.Path, Capacity: mt.Capacity, Used: mt.Used, Entries: mt.Entries, SpareBytes: mt.SpareBytes,

@@ -274,6 +274,11 @@ var (
 	dNSFiles            = desc("kvhost_namespace_files", "Files indexed of a namespace (labels as kvhost_namespace_keys).", "fingerprint", "model")
 	dNSBytes            = desc("kvhost_namespace_bytes", "Bytes of a namespace's indexed files, headers included (labels as kvhost_namespace_keys).", "fingerprint", "model")
 	dNSCaches           = desc("kvhost_namespace_caches", "Caches registered in a namespace now, on all connections: a vLLM offloading spec engine's workers (labels as kvhost_namespace_keys).", "fingerprint", "model")
+	dBudgetUsed         = desc("kvhost_budget_used_bytes", "Bytes of the indexed files of the namespaces a byte budget ([[budget]]) covers, by its model pattern.", "budget")
+	dBudgetBytes        = desc("kvhost_budget_bytes", "A byte budget's bytes (0: none, only a floor), by its model pattern.", "budget")
+	dBudgetFloor        = desc("kvhost_budget_floor_bytes", "A byte budget's floor (0: none), by its model pattern.", "budget")
+	dBudgetOver         = desc("kvhost_budget_over_evictions_total", "Files evictions took first because the namespaces of a budget held more than its bytes, by its model pattern.", "budget")
+	dBudgetKept         = desc("kvhost_budget_floor_skips_total", "Eviction victims skipped because taking them would cross a budget's floor, by its model pattern: a rising count beside store failures for no space means the floors hold the mount.", "budget")
 	dMountCap           = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
 	dMountUsed          = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
 	dMountFree          = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
@@ -410,6 +415,13 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(dNSKeys, float64(ns.Keys), fp, ns.Model)
 			gauge(dNSFiles, float64(ns.Files), fp, ns.Model)
 			gauge(dNSBytes, float64(ns.Bytes), fp, ns.Model)
+		}
+		for _, b := range st.Budgets {
+			gauge(dBudgetUsed, float64(b.Bytes), b.Model)
+			gauge(dBudgetBytes, float64(b.Budget), b.Model)
+			gauge(dBudgetFloor, float64(b.Floor), b.Model)
+			counter(dBudgetOver, uint64(b.Over), b.Model)
+			counter(dBudgetKept, uint64(b.Kept), b.Model)
 		}
 		for _, mt := range st.Mounts {
 			counter(dMountMovedIn, mt.MovedIn, mt.Path)

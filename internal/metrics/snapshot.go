@@ -43,6 +43,9 @@ type EngineStats struct {
 	// the most bytes first: the first MaxNamespaces get gauges of their
 	// own.
 	Namespaces []NamespaceStats
+	// Budgets are the byte budgets per namespace ([[budget]]), in their
+	// configured order.
+	Budgets []BudgetStats
 	// Mounts are the engine's mounts, in configuration order.
 	Mounts []MountStats
 }
@@ -74,6 +77,16 @@ type NamespaceStats struct {
 	Files       int    // files indexed
 	Keys        int    // keys indexed
 	Bytes       int64  // the files' bytes, headers included
+}
+
+// BudgetStats is the use of one byte budget ([[budget]]).
+type BudgetStats struct {
+	Model  string // the budget's model id or prefix pattern
+	Bytes  int64  // the bytes of the indexed files of the namespaces it covers
+	Budget int64  // its bytes (0: none)
+	Floor  int64  // its floor (0: none)
+	Over   int64  // files evictions took because the namespaces were over the budget
+	Kept   int64  // files evictions skipped because taking them would cross the floor
 }
 
 // MountStats describes one mount.
