@@ -300,6 +300,8 @@ class TestRealSpec(RealSpecCase):
         self.assertEqual(res.transfer_size, 6 * LAYERS * PAGE)
         m.complete_store(out.keys_to_store, ctx)
         self.step(m)
+        # The stored event follows once the daemon was found holding them.
+        d.wait_for(lambda: m.counters()["verifying_now"] == 0, what="the manager to check its stores")
         events = list(m.take_events())
         self.assertEqual([(sorted(e.keys), e.removed) for e in events], [(sorted(order), False)])
         self.assertIsInstance(events[0], api.OffloadingEvent)

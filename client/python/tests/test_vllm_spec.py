@@ -99,6 +99,12 @@ def answer_of(m, key, ctx=CTX):
                       what="a lookup answer")
 
 
+def settled(m):
+    """Waits until the manager has asked the daemon about every completed
+    store (its stored events follow only then)."""
+    d.wait_for(lambda: m.counters().get("verifying_now", 0) == 0, what="the manager to check its completed stores")
+
+
 # These tests hand the worker CanonicalKVCaches of their own, not built by
 # vLLM's worker set-up: there is no attention backend or KV cache layout to
 # observe, as without vLLM (under make test-vllm vLLM's modules are there).
@@ -204,6 +210,7 @@ class SpecCase(unittest.TestCase):
             res = self.transfer(w, True, out.store_spec, [blocks[ks.index(k)] for k in out.keys_to_store])
             self.assertTrue(res.success)
         m.complete_store(out.keys_to_store, CTX, success=True)
+        settled(m)
         return out
 
     @contextlib.contextmanager
@@ -291,6 +298,7 @@ class TestSchedulerAndWorker(SpecCase):
         res = self.transfer(w, True, out.store_spec, [src[ks.index(k)] for k in shuffled])
         self.assertTrue(res.success)
         m.complete_store(shuffled, CTX, success=True)
+        settled(m)
         self.assertEqual(res.transfer_size, 8 * LAYERS * PAGE)
         self.assertGreater(res.transfer_time, 0)
         ev = list(m.take_events())
@@ -2059,6 +2067,126 @@ class TestRefusals(unittest.TestCase):
         with self.assertRaises(kv.UnsupportedVLLM) as cm:
             kv.spec_class(api)
         self.assertIn("get_handlers", str(cm.exception))
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestNoStoredEventWithoutAWorker(SpecCase):
+    """Issue 86, K2: the manager and the worker connect to the daemon each
+    on its own thread. vLLM's worker asserts every transfer succeeds, so a
+    worker with no connection reports its store a success storing nothing;
+    a manager that connected first accepted such stores and sent stored
+    events for keys no daemon held. Each scenario runs TRIALS times, the
+    manager or the worker connecting first by turns: every key with a
+    stored event (and no removed one) loads, and every store accepted
+    once the worker was connected is stored."""
+
+    TRIALS = 20
+    FAST, SLOW = 0.01, 0.25  # reconnect_s of the half that connects first, and of the other
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = d.Daemon(capacity=cls.capacity)
+
+    def halves(self, manager_first):
+        """A manager and a worker of one engine whose reconnect periods make
+        one of them (the manager where manager_first) connect well before
+        the other: (manager, worker, tensors)."""
+        fast, slow = (self.FAST, self.SLOW) if manager_first else (self.SLOW, self.FAST)
+        m = self.manager(self.spec(reconnect_s=fast, miss_ttl_s=0.02))
+        caches, tensors = self.caches(seed=7)
+        w = self.worker(self.spec(reconnect_s=slow, miss_ttl_s=0.02), caches)
+        return m, w, tensors
+
+    def step(self, m, w, k, block):
+        """One scheduler step's store of key k from block, as vLLM runs it:
+        (accepted, whether the worker was connected before it was asked)."""
+        connected = w.counters()["connected"]
+        out = m.prepare_store([k], CTX)
+        if out is None or not out.keys_to_store:
+            return False, connected
+        self.transfer(w, True, out.store_spec, [block])  # a success, whatever it stored (vLLM asserts it)
+        m.complete_store(out.keys_to_store, CTX, success=True)
+        return True, connected
+
+    def run_until_both_connected(self, m, w, prefix, restart=None):
+        """Steps stores of new keys until the manager and the worker are
+        connected and five stores were accepted after that (restart, if
+        given, is called after the third accepted store): returns
+        (keys accepted, keys accepted with the worker connected since
+        before their store, and still connected after it)."""
+        accepted, after, n = [], [], 0
+        deadline = time.monotonic() + 30
+        while len(after) < 5:
+            self.assertLess(time.monotonic(), deadline, "the manager and the worker never both connected")
+            k = keys(1, f"{prefix}-{n}")[0]
+            ok, before = self.step(m, w, k, n % 16)
+            n += 1
+            if ok:
+                accepted.append(k)
+                if before and w.counters()["connected"] and m.counters()["connected"] and \
+                        (restart is None or restart.done):
+                    after.append(k)
+                if restart is not None and not restart.done and len(accepted) == 3:
+                    restart()
+        return accepted, after
+
+    def check(self, m, w, tensors, accepted, after):
+        """Every key with a stored event and no removed one loads, and every
+        key of after has one."""
+        settled(m)
+        stored = set()
+        for e in m.take_events():
+            for k in e.keys:
+                (stored.discard if e.removed else stored.add)(bytes(k))
+        self.assertLessEqual(stored, set(accepted))
+        missing = set(after) - stored
+        self.assertFalse(missing, f"{len(missing)} stores accepted with the worker connected have no stored event")
+        ks = sorted(stored)
+        for k in ks:
+            self.assertEqual(answer_of(m, k), S.LookupResult.HIT, f"a key with a stored event misses: {k.hex()}")
+        for i in range(0, len(ks), 16):
+            chunk = ks[i:i + 16]
+            res = self.transfer(w, False, m.prepare_load(chunk, CTX), list(range(32, 32 + len(chunk))))
+            self.assertTrue(res.success, "a key with a stored event does not load")
+            m.complete_load(chunk, CTX)
+        return len(stored)
+
+    def end_trial(self):
+        for c in reversed(self.closers):
+            c()
+        self.closers.clear()
+
+    def test_a_spec_started_before_its_daemon_sends_stored_events_only_for_stored_keys(self):
+        unverified = 0
+        for trial in range(self.TRIALS):
+            with self.subTest(trial=trial):
+                self.daemon.halt()
+                m, w, tensors = self.halves(manager_first=trial % 2 == 0)
+                self.daemon.start_again()
+                accepted, after = self.run_until_both_connected(m, w, f"early-{trial}")
+                self.check(m, w, tensors, accepted, after)
+                unverified += m.counters().get("store_unverified_keys", 0)
+                self.end_trial()
+        # The manager-first trials did accept stores the worker could not run.
+        self.assertGreater(unverified, 0, "no trial had the manager connect before its worker")
+
+    def test_a_daemon_restart_under_load_sends_stored_events_only_for_stored_keys(self):
+        daemon = self.daemon
+
+        def restart():
+            daemon.halt()
+            daemon.start_again()
+            restart.done = True
+
+        for trial in range(self.TRIALS):
+            with self.subTest(trial=trial):
+                restart.done = False
+                m, w, tensors = self.halves(manager_first=trial % 2 == 0)
+                d.wait_for(lambda: m.counters()["connected"] and w.counters()["connected"],
+                           what="the manager and the worker to connect")
+                accepted, after = self.run_until_both_connected(m, w, f"restart-{trial}", restart)
+                self.check(m, w, tensors, accepted, after)
+                self.end_trial()
 
 
 class TestNoDaemonAtStart(unittest.TestCase):

@@ -94,7 +94,14 @@ class SpecManager(Reconnects):
         self._pinned = {}                       # key -> (batch, hit until)
         self._loading = collections.Counter()   # key -> prepare_load not completed
         self._storing = collections.Counter()   # key -> prepare_store not completed
-        self._stored_at = {}                    # key -> when complete_store succeeded
+        self._stored_at = {}                    # key -> when the daemon was found holding a completed store
+        # complete_store's keys wait for the daemon to say it holds them
+        # (_verify_stored) before a stored event: a worker not connected
+        # yet (vLLM started before the daemon) or cut off by a restart
+        # reports its store a success with nothing stored, as vLLM's
+        # worker asserts every transfer succeeds. _verify: keys to ask
+        # about; _verifying: key -> completed stores not answered yet.
+        self._verify, self._verifying = [], collections.Counter()
         self._missing = {}                      # key -> MISS answered until
         self._queue, self._pending, self._touches, self._releases = [], set(), [], []
         self._events = collections.deque()
@@ -255,7 +262,8 @@ class SpecManager(Reconnects):
         lease = self._opts["pin_lease_s"]
         while True:
             with self._cv:
-                while not (self._queue or self._touches or self._releases or self._probes or self._closing):
+                while not (self._queue or self._touches or self._releases or self._probes or self._verify
+                           or self._closing):
                     if not self._cv.wait(max(0.05, self._opts["hit_window_s"] / 4)):
                         break  # periodic: release pins whose HIT window passed unused
                 if self._closing:
@@ -265,7 +273,10 @@ class SpecManager(Reconnects):
                 stale, self._releases = self._releases, []
                 stale += self._expire_locked(time.monotonic())
                 probes, self._probes = self._probes, {}
+                verify, self._verify = self._verify, []
             self._unpin(stale)
+            if verify:
+                self._verify_stored(verify)
             for where, key in probes.items():
                 self._probe(where, key)
             if keys:
@@ -562,7 +573,7 @@ class SpecManager(Reconnects):
             ttl = self._opts["stored_ttl_s"]
             out, seen = [], set()
             for k in keys:
-                if k in seen or self._storing[k] or k in self._pinned:
+                if k in seen or self._storing[k] or self._verifying[k] or k in self._pinned:
                     continue
                 t = self._stored_at.get(k)
                 if t is not None and now - t < ttl:
@@ -630,26 +641,74 @@ class SpecManager(Reconnects):
             log.debug("kvhost spec: asking for the workers of %s: %s", self.namespaces[where], e)
 
     def complete_store(self, keys, req_context=None, success=True):
-        """The workers have stored keys (success) or not."""
+        """The workers have stored keys (success) or not. A stored event
+        follows once the daemon has said it holds them (the pin thread
+        asks, _verify_stored): vLLM's workers report every store a success
+        (vLLM asserts it), also one that moved nothing."""
         keys = [bytes(k) for k in keys]
-        now = time.monotonic()
-        with self._lock:
+        with self._cv:
             for k in keys:
                 self._storing[k] -= 1
                 if self._storing[k] <= 0:
                     del self._storing[k]
             if success:
-                for k in keys:
-                    self._stored_at[k] = now
-                    self._missing.pop(k, None)
-                if len(self._stored_at) > 1 << 18:
-                    ttl = self._opts["stored_ttl_s"]
-                    self._stored_at = {k: t for k, t in self._stored_at.items() if now - t < ttl}
+                # Told stored: the daemon is asked (off this thread) before
+                # any stored event; see _verify_stored.
                 self._stats["stored_keys"] += len(keys)
+                for k in keys:  # a lookup asks the daemon again
+                    self._missing.pop(k, None)
                 if keys:
-                    self._event_locked(keys, removed=False)
+                    self._verifying.update(keys)
+                    self._verify += keys
+                    self._cv.notify_all()
             else:
                 self._stats["store_failed_keys"] += len(keys)
+
+    def _verify_stored(self, keys):
+        """Asks the daemon whether it holds keys, vLLM's completed stores,
+        in every rank's namespace of their group (a pin of each, released
+        at once); those held get a stored event and count as stored, the
+        others are counted (store_unverified_keys) and may be stored again.
+        No answer (no connection, an error) holds none: a stored event is
+        never sent for a key the daemon was not found holding."""
+        held = dict.fromkeys(keys, True)
+        with self._lock:
+            client, nss, broken = self._client, self._ns, self._broken
+        try:
+            if broken is not None or client is None:
+                raise ConnectionError(broken or "no daemon connection")
+            for g, gkeys in self._by_group(list(held)).items():
+                for r in range(self._tp):
+                    for i in range(0, len(gkeys), p.MAX_KEYS_PER_REQUEST):
+                        chunk = gkeys[i:i + p.MAX_KEYS_PER_REQUEST]
+                        pin_id, ok = client.pin(nss[(r, g)], [sc.daemon_key(k) for k in chunk], 0)
+                        if pin_id:
+                            client.unpin(pin_id)
+                        for k, h in zip(chunk, ok):
+                            held[k] = held[k] and h
+        except Exception as e:  # a lost connection is found by the next call
+            log.debug("kvhost spec: checking %d stored keys: %s", len(held), e)
+            held = dict.fromkeys(held, False)
+        now = time.monotonic()
+        with self._lock:
+            stored = []
+            for k in keys:
+                if self._verifying[k] > 0:  # reset_cache forgets them
+                    self._verifying[k] -= 1
+                    if self._verifying[k] <= 0:
+                        del self._verifying[k]
+                if held[k]:
+                    self._stored_at[k] = now
+                    self._missing.pop(k, None)
+                    stored.append(k)
+                else:
+                    self._stats["store_unverified_keys"] += 1
+            self._stats["store_verified_keys"] += len(stored)
+            if len(self._stored_at) > 1 << 18:
+                ttl = self._opts["stored_ttl_s"]
+                self._stored_at = {k: t for k, t in self._stored_at.items() if now - t < ttl}
+            if stored:
+                self._event_locked(list(dict.fromkeys(stored)), removed=False)
 
     # -- requests, events, stats ---------------------------------------------
 
@@ -662,9 +721,10 @@ class SpecManager(Reconnects):
         self._events.append(self._api.OffloadingEvent(keys=list(keys), medium=self._medium, removed=removed))
 
     def take_events(self):
-        """Keys stored (removed=False) and keys found gone after this manager
-        stored them (removed=True) since the last call. The daemon evicts on
-        its own; an eviction shows here only once a lookup finds the key gone."""
+        """Keys stored (removed=False: completed by vLLM and found held by
+        the daemon) and keys found gone after this manager stored them
+        (removed=True) since the last call. The daemon evicts on its own;
+        an eviction shows here only once a lookup finds the key gone."""
         with self._lock:
             out = list(self._events)
             self._events.clear()
@@ -707,6 +767,7 @@ class SpecManager(Reconnects):
             self._storing.clear()
             self._missing.clear()
             self._stored_at.clear()
+            self._verifying.clear()
             self._cv.notify_all()
         return True
 
@@ -739,6 +800,7 @@ class SpecManager(Reconnects):
             s["pinned_now"] = len(self._pinned)
             s["loading_now"] = sum(self._loading.values())
             s["storing_now"] = sum(self._storing.values())
+            s["verifying_now"] = sum(self._verifying.values())  # completed stores not yet found held
             s["connected"] = self._broken is None
             broken = self._broken
         if broken is not None:
