@@ -187,7 +187,7 @@ func (r *budgetRound) floorNote() string {
 	var parts []string
 	for i, b := range r.set.list {
 		if r.kept[i] > 0 {
-			parts = append(parts, fmt.Sprintf("namespace %q holds %d bytes against its floor of %d (budget floor: an eviction never takes it below)", b.Model, r.used[i], b.Floor))
+			parts = append(parts, fmt.Sprintf("namespace %q holds %d bytes, its floor is %d", b.Model, r.used[i], b.Floor))
 		}
 	}
 	return strings.Join(parts, "; ")

@@ -7,6 +7,10 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/plugins/lru"
 )
 
 // burstResult is what burstOnOneMount leaves: which of the quiet
@@ -27,17 +31,22 @@ const (
 
 // burstOnOneMount opens an engine of one mount of burstMountFiles one-key
 // files with budgets, where namespace "tenant/quiet" stores burstQuietKeys
-// keys, then "tenant/burst" burstOwnKeys, oldest evicted first (testPolicy).
-func burstOnOneMount(t *testing.T, budgets func(fileLen int64) []Budget) burstResult {
+// keys, then "tenant/burst" burstOwnKeys, under the built-in lru policy
+// (oldest evicted first). With reload, the policy is replaced (a
+// configuration reload) between the two.
+func burstOnOneMount(t *testing.T, budgets func(fileLen int64) []Budget, reload bool) burstResult {
 	t.Helper()
 	ctx := context.Background()
 	g := smallGeometry(true)
 	fileLen := int64(4096) + g.KeyBytes()
+	newLRU := func(idx policy.Index) (policy.Policy, error) {
+		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: testLogger(t)})
+	}
 	e := openEngine(t, Config{
-		Mounts:  []Mount{{Path: t.TempDir(), Capacity: burstMountFiles * fileLen, HighWatermark: 0.9, LowWatermark: 0.8}},
-		Policy:  newTestPolicy(1, 0),
-		NoReuse: true,
-		Budgets: budgets(fileLen),
+		Mounts:    []Mount{{Path: t.TempDir(), Capacity: burstMountFiles * fileLen, HighWatermark: 0.9, LowWatermark: 0.8}},
+		NewPolicy: newLRU,
+		NoReuse:   true,
+		Budgets:   budgets(fileLen),
 	})
 	r := rand.New(rand.NewPCG(8, 6))
 	store := func(model string, n int) ([][]byte, NamespaceID) {
@@ -56,6 +65,11 @@ func burstOnOneMount(t *testing.T, budgets func(fileLen int64) []Budget) burstRe
 		return keys, ns
 	}
 	qk, qns := store("tenant/quiet", burstQuietKeys)
+	if reload {
+		if err := e.ReplacePolicy(ctx, newLRU); err != nil {
+			t.Fatal(err)
+		}
+	}
 	bk, bns := store("tenant/burst", burstOwnKeys)
 	kept := func(ns NamespaceID, keys [][]byte) []bool {
 		out := make([]bool, len(keys))
@@ -91,27 +105,32 @@ func budgetOf(t *testing.T, st Stats, model string) BudgetStats {
 // TestABurstOverItsBudgetEvictsOnlyItsOwnFiles: a namespace storing 10×
 // its budget on a mount too small for it, beside a quiet namespace that
 // stored first (the policy's oldest), loses only its own files, whether
-// the quiet one has a budget and floor or only a floor; Stats shows each
+// the quiet one has a budget and floor or only a floor, and after a
+// policy reload (the budgets are the engine's, kept); Stats shows each
 // budget's bytes against its budget and floor, the evictions it caused,
 // and each namespace's budget.
 func TestABurstOverItsBudgetEvictsOnlyItsOwnFiles(t *testing.T) {
 	cases := []struct {
 		name    string
 		budgets func(fileLen int64) []Budget
+		reload  bool
 	}{
 		{"both budgeted, quiet with a floor", func(f int64) []Budget {
 			return []Budget{{Model: "tenant/burst", Bytes: 4 * f}, {Model: "tenant/quiet", Bytes: 14 * f, Floor: 10 * f}}
-		}},
+		}, false},
 		{"burst budgeted by prefix, quiet without a floor", func(f int64) []Budget {
 			return []Budget{{Model: "tenant/bu*", Bytes: 4 * f}, {Model: "tenant/quiet", Bytes: 20 * f}}
-		}},
+		}, false},
 		{"only the quiet one's floor", func(f int64) []Budget {
 			return []Budget{{Model: "tenant/quiet", Floor: burstQuietKeys * f}}
-		}},
+		}, false},
+		{"budgets kept across a policy reload", func(f int64) []Budget {
+			return []Budget{{Model: "tenant/burst", Bytes: 4 * f}, {Model: "tenant/quiet", Bytes: 14 * f, Floor: 10 * f}}
+		}, true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			res := burstOnOneMount(t, tc.budgets)
+			res := burstOnOneMount(t, tc.budgets, tc.reload)
 			if n := countTrue(res.quietKept); n != burstQuietKeys {
 				t.Fatalf("the quiet namespace keeps %d of its %d keys after the burst, want all: %v", n, burstQuietKeys, res.quietKept)
 			}
@@ -141,10 +160,10 @@ func TestABurstOverItsBudgetEvictsOnlyItsOwnFiles(t *testing.T) {
 // under its budget and none has a floor, an eviction takes what the
 // policy ranks first, as without budgets: the same keys survive.
 func TestANamespaceUnderItsBudgetIsNotSingledOut(t *testing.T) {
-	none := burstOnOneMount(t, func(int64) []Budget { return nil })
+	none := burstOnOneMount(t, func(int64) []Budget { return nil }, false)
 	under := burstOnOneMount(t, func(f int64) []Budget {
 		return []Budget{{Model: "tenant/burst", Bytes: 100 * f}, {Model: "tenant/quiet", Bytes: 100 * f}}
-	})
+	}, false)
 	if countTrue(none.quietKept) == burstQuietKeys {
 		t.Fatal("without budgets the burst evicted none of the quiet namespace's keys: the case shows nothing")
 	}
@@ -193,6 +212,7 @@ func TestAStoreThatWouldCrossAFloorFailsNamingIt(t *testing.T) {
 	if !errors.Is(err, ErrNoSpace) || !strings.Contains(err.Error(), `"tenant/floor"`) || !strings.Contains(err.Error(), "floor") {
 		t.Fatalf("store beside a namespace at its floor: %v (%v), want ErrNoSpace naming tenant/floor and its floor", res.Keys[0].Outcome, err)
 	}
+	t.Logf("the store's error: %v", err)
 	for i, k := range keys {
 		if entryOf(e, fns, k) == nil {
 			t.Fatalf("key %d of the namespace at its floor was evicted", i)

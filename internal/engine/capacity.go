@@ -105,7 +105,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 		}
 	}
 	if note != "" {
-		why += "; " + note
+		why = "no entry evictable without crossing a budget's floor: " + note
 	}
 	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, %s", ErrNoSpace, m.root, used, capacity, size, why)
 }
