@@ -56,7 +56,11 @@ dtype = "bfloat16"
 [[mount.vllm_fs.kv_cache_groups]]
 tokens_per_block = 16
 layer_names = ["a", "b"]
-`, want: []string{`socket = "/run/kv \"x\".sock"`, `max_inflight_bytes = "12345"`, `"odd key" = true`, `ratio = 1.5`, `reuse_files = false`, `cpus = [0, 1]`,
+[[budget]]
+model = "vllm:m_x:*"
+bytes = "10GiB"
+floor = "1GiB"
+`, want: []string{`[[budget]]`, `model = "vllm:m_x:*"`, `bytes = "10GiB"`, `floor = "1GiB"`, `socket = "/run/kv \"x\".sock"`, `max_inflight_bytes = "12345"`, `"odd key" = true`, `ratio = 1.5`, `reuse_files = false`, `cpus = [0, 1]`,
 			`high_watermark = 1.0`, `preallocate = "4GiB"`, `[mount.vllm_fs]`, `[[mount.vllm_fs.kv_cache_groups]]`, `layer_names = ["a", "b"]`}},
 		{name: "infinite parameters and an odd path", src: `
 [policy.params]
