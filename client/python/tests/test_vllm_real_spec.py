@@ -20,6 +20,8 @@ import pathlib
 import pickle
 import signal
 import sys
+import threading
+import time
 import unittest
 from unittest import mock
 
@@ -647,7 +649,10 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         d.wait_for(lambda: m.counters()["connected"] and w.counters()["connected"],
                    what="the manager and the worker to connect")
         ks = [key(i, "late") for i in range(3)]
-        out = m.prepare_store(ks, ctx)
+        # Stores go through once the daemon has said, on this connection,
+        # that the worker's cache is registered (each half connects alone).
+        out = d.wait_for(lambda: (lambda o: o if o is not None and o.keys_to_store else None)(m.prepare_store(ks, ctx)),
+                         what="stores let through")
         self.assertTrue(self.transfer(w, True, out.store_spec, [4, 5, 6]).success)
         m.complete_store(out.keys_to_store, ctx)
         for k in ks:
@@ -662,6 +667,72 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         d.wait_for(lambda: logs.count("connected to the daemon at") == 2, what="the connections logged")
         self.assertEqual(logs.count("starting without it"), 2, logs.messages)
         self.assertEqual(logs.count("connected to the daemon at"), 2, logs.messages)
+
+    def test_a_manager_connecting_before_its_worker_sends_no_stored_event_for_a_key_not_stored(self):
+        """Issue 86, K2, inside vLLM's classes: vLLM starts before the
+        daemon and the manager connects well before its worker (the test
+        holds the worker off for 20 steps). Stepping stores as vLLM's scheduler
+        does (get_finished every step), no store is handed to the worker
+        before it is connected, every key with a stored event loads, and
+        every store accepted once the worker was connected has one."""
+        api = self.api
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        dm.halt()
+        # One engine (one engine_id: vLLM's config makes a new one for each
+        # config built); its worker finds no daemon until let through.
+        from kvhost.vllm import _common, spec_worker
+        let_worker = threading.Event()
+        real_open = spec_worker.SpecWorker._open
+
+        def held_open(worker):
+            if not let_worker.is_set():
+                raise _common.DaemonAbsent("held by the test") from ConnectionRefusedError("held by the test")
+            return real_open(worker)
+
+        held = mock.patch.object(spec_worker.SpecWorker, "_open", held_open)
+        held.start()
+        self.addCleanup(held.stop)
+        one = dict(socket=dm.socket, engine_id="manager-first", miss_ttl_s=0.02, reconnect_s=0.01)
+        m = self.manager(self.spec(**one))
+        w, _ = self.worker(self.spec(**one), seed=9)
+        ctx = api.ReqContext(req_id="manager-first")
+        dm.start_again()
+        d.wait_for(lambda: m.counters()["connected"], what="the manager to connect")
+        accepted, after, away, n = [], [], 0, 0
+        deadline = time.monotonic() + 30
+        while len(after) < 5:  # at most 5 + a few: the load below fits BLOCKS
+            self.assertLess(time.monotonic(), deadline, f"the worker never connected: {m.counters()} {w.counters()}")
+            k = key(n, "manager-first")
+            n += 1
+            before = w.counters()["connected"]
+            away += m.counters()["connected"] and not before
+            out = m.prepare_store([k], ctx)
+            if away >= 20:  # 20 steps with the manager connected and the worker not
+                let_worker.set()
+            if out is None or not out.keys_to_store:
+                self.assertEqual(list(w.get_finished()), [])
+                continue
+            self.assertTrue(self.transfer(w, True, out.store_spec, [1 + n % 8]).success)
+            m.complete_store(out.keys_to_store, ctx)
+            accepted.append(k)
+            if before:
+                after.append(k)
+        self.assertGreater(away, 0, "the manager never stepped connected without its worker")
+        d.wait_for(lambda: m.counters()["verifying_now"] == 0, what="the manager to check its stores")
+        stored = set()
+        for e in m.take_events():
+            for k in e.keys:
+                (stored.discard if e.removed else stored.add)(bytes(k))
+        self.assertLessEqual(set(after), stored)
+        self.assertLessEqual(stored, set(accepted))
+        # No store was handed out that the worker could not run.
+        self.assertEqual(m.counters().get("store_unverified_keys", 0), 0)
+        ks = sorted(stored)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        self.assertTrue(self.transfer(w, False, m.prepare_load(ks, ctx), list(range(20, 20 + len(ks)))).success)
+        m.complete_load(ks, ctx)
 
     def test_a_worker_the_late_daemon_refuses_leaves_lookups_missing_not_hit(self):
         """Keys stored by an earlier engine; this engine starts before a

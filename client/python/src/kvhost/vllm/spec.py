@@ -123,6 +123,14 @@ class SpecManager(Reconnects):
         # (rank, group) -> a key to ask the daemon with, for a store
         # refused there (_probe_later_locked, _probe); _probed: when each was last asked.
         self._probes, self._probed = {}, {}
+        # After a reconnection (or a start before the daemon) the manager
+        # and the workers connect each on its own thread: stores wait
+        # until the daemon has answered, on this connection, that a
+        # worker's cache of each of their namespaces is registered
+        # (_confirmed: those (rank, group)). A manager connected at its
+        # start needs none: vLLM registers its workers' KV caches before
+        # it builds the scheduler.
+        self._confirm, self._confirmed = False, set()
         self._group = sc.engine_group(config)  # this engine's workers' (the daemon's Group)
         self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
                            for r in range(self._tp) for g in range(len(self._groups))}
@@ -198,6 +206,9 @@ class SpecManager(Reconnects):
         ends (_pin_round: it pinned on a replaced connection)."""
         self._client, self._ns = new
         self._loadable = True  # the new daemon may know PinLoadable
+        self._confirm = True
+        self._confirmed.clear()
+        self._probed.clear()
         self._missing.clear()
         again = [k for k in self._pinned if self._loading[k] and k not in self._pending]
         for k in again:
@@ -427,12 +438,14 @@ class SpecManager(Reconnects):
                         # One line per rank: a hybrid model's groups
                         # share its worker, so its other groups' warnings
                         # would say the same again.
+                        self._confirmed.discard(where)
                         since = self._no_worker.setdefault(where, now)
                         first = where not in self._warned and now - since >= self._opts["load_retry_s"]
                         if first:
                             first = not self._rank_warned_locked(where[0])
                             self._warned.add(where)
                     else:
+                        self._confirmed.add(where)
                         first = where in self._warned
                         self._warned.discard(where)
                         self._no_worker.pop(where, None)
@@ -546,8 +559,9 @@ class SpecManager(Reconnects):
         pinned, being stored or stored within stored_ttl_s are left out), or
         None when the daemon cannot take stores now (connection lost, shut
         down, no worker's cache registered in a namespace of the keys at the
-        last pin round there, or max_store_keys_inflight keys already being
-        stored). Once a rank's worker has stayed away two reconnection
+        last pin round there — or, after a reconnection, none found there on
+        this connection yet: the workers reconnect on their own — or
+        max_store_keys_inflight keys already being stored). Once a rank's worker has stayed away two reconnection
         periods (_store_grace), its stores are skipped (no keys to store)
         instead of refused: vLLM logs each refusal, every step, for every
         request."""
@@ -588,24 +602,30 @@ class SpecManager(Reconnects):
 
     def _away_locked(self, keys):
         """The (rank, group) namespaces of keys whose last pin round found
-        no worker's cache registered, each with one of its keys: a dict
+        no worker's cache registered, or, after a reconnection, not yet
+        found one on this connection, each with one of its keys: a dict
         where -> key."""
-        if not self._no_worker:
+        unconfirmed = self._confirm and self._loadable
+        if not (self._no_worker or unconfirmed):
             return {}
         groups = {}
         for k in keys:
             g = sc.key_group(k)
             groups.setdefault(g if g < len(self._groups) else 0, k)
-        return {(r, g): k for g, k in groups.items() for r in range(self._tp) if (r, g) in self._no_worker}
+        return {(r, g): k for g, k in groups.items() for r in range(self._tp)
+                if (r, g) in self._no_worker or (unconfirmed and (r, g) not in self._confirmed)}
 
     def _probe_later_locked(self, away, now):
-        """Has the manager's thread ask the daemon again (_probe), miss_ttl_s
-        apart, whether a worker of each namespace in away is back: vLLM
+        """Has the manager's thread ask the daemon (_probe) whether a worker
+        of each namespace in away is back: at once for one not asked on
+        this connection yet, then miss_ttl_s apart. vLLM
         looks a hybrid model's later groups up only after group 0 hit, and
         hands prepare_store every group's keys at once, so no lookup may
         ever come to find the worker back."""
         for where, k in away.items():
-            if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
+            # Not yet asked on this connection: at once (one probe at a time).
+            wait = self._opts["miss_ttl_s"] if where in self._no_worker else 0
+            if where not in self._probes and now - self._probed.get(where, -math.inf) >= wait:
                 self._probed[where] = now
                 self._probes[where] = k
                 self._cv.notify_all()
@@ -616,7 +636,7 @@ class SpecManager(Reconnects):
         time) while a worker may be reconnecting, skipped once one stayed
         away longer than _store_grace."""
         grace = self._store_grace()
-        return any(now - self._no_worker[where] >= grace for where in away)
+        return any(now - self._no_worker.get(where, now) >= grace for where in away)
 
     def _store_grace(self):
         """How long stores of a namespace found without a worker are
