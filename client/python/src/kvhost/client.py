@@ -758,15 +758,8 @@ class Client:
         is asked about the rest unless the table's misses are final
         (docs/protocol.md, "Shared lookup table")."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        got = self._probe(ns, keys)
-        if got is not None:
-            n, final = got
-            if n == len(keys) or final:
-                with self._lookups_lock:
-                    self._lookups["table"] += 1
-                return n
-            return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
-        return self._lookup_daemon(ns, p.keys_body(keys))
+        # The table checks the keys as the daemon would.
+        return self._answer(ns, keys, self._probe(ns, lambda table, fp: table.leading(fp, keys)))
 
     def key_digests(self, ns, keys):
         """The bytes that place keys in the shared lookup table (16 per key,
@@ -776,9 +769,8 @@ class Client:
         (then call lookup). The keys are checked as the daemon checks them
         (ValueError)."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        table = self._table if self._table is not None else self._open_table()
-        fp = self._fps.get(ns)
-        if not table or fp is None:
+        table, fp = self._table_of(ns)
+        if table is None:
             return None
         return b"".join(table.digest(fp, k) for k in keys)
 
@@ -786,19 +778,13 @@ class Client:
         """lookup of keys whose key_digests the caller kept: the same
         answer, without hashing the keys again where the table answers."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        table = self._table
-        got = None
-        if table and self._fps.get(ns) is not None:
-            if self._closed is not None:
-                raise _again(self._closed)
-            try:
-                got = table.leading_digests(digests)
-            except ValueError:
-                if self._closed is not None:
-                    raise _again(self._closed) from None
-                raise
+        return self._answer(ns, keys, self._probe(ns, lambda table, fp: table.leading_digests(digests)))
+
+    def _answer(self, ns, keys, got):
+        """lookup's answer from the table's (n, final), or None where the
+        table gave none: the daemon is asked about what the table leaves."""
         if got is None:
-            return self.lookup(ns, keys)
+            return self._lookup_daemon(ns, p.keys_body(keys))
         n, final = got
         if n == len(keys) or final:
             with self._lookups_lock:
@@ -806,19 +792,26 @@ class Client:
             return n
         return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
 
-    def _probe(self, ns, keys):
-        """The shared lookup table's answer (n, final) about keys, or None
-        where it gives none. A frame of its own: the table is not held by
-        a lookup that goes on to the daemon, so that a close meanwhile
-        unmaps it."""
+    def _table_of(self, ns):
+        """(the shared lookup table, ns's fingerprint), or (None, None)
+        where this process cannot read the table for ns."""
         table = self._table if self._table is not None else self._open_table()
         fp = self._fps.get(ns)
         if not table or fp is None:
+            return None, None
+        return table, fp
+
+    def _probe(self, ns, probe):
+        """probe(table, fp)'s answer (n, final), or None where the table
+        gives none. A frame of its own: the table is not held by a lookup
+        that goes on to the daemon, so that a close meanwhile unmaps it."""
+        table, fp = self._table_of(ns)
+        if table is None:
             return None
         if self._closed is not None:
             raise _again(self._closed)
         try:
-            return table.leading(fp, keys)  # checks the keys as the daemon would
+            return probe(table, fp)
         except ValueError:
             # close() on another thread unmapped the table under the probe.
             if self._closed is not None:
