@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"sync"
 	"sync/atomic"
 
 	"github.com/kvhost/kvhost/abi"
@@ -38,13 +37,12 @@ func (o *loadOrder) take() loadTurn {
 	if p := o.last.Swap(&mine); p != nil {
 		prev = *p
 	}
-	return loadTurn{prev: prev, mine: mine, once: new(sync.Once)}
+	return loadTurn{prev: prev, mine: mine}
 }
 
 // loadTurn is one load's place in its cache's loadOrder.
 type loadTurn struct {
 	prev, mine chan struct{}
-	once       *sync.Once
 }
 
 // wait returns once the previous load has its slots, or ctx is done (the
@@ -59,8 +57,9 @@ func (t loadTurn) wait(ctx context.Context) {
 	}
 }
 
-// done lets the next load take slots; later calls do nothing.
-func (t loadTurn) done() { t.once.Do(func() { close(t.mine) }) }
+// done lets the next load take slots; runLoad calls it once, when each
+// of its files has a slot (or failed to get one).
+func (t loadTurn) done() { close(t.mine) }
 
 // RegisterCache registers the paged KV cache of one worker for namespace ns:
 // one tensor per layer. Every block of every layer must lie inside its

@@ -76,7 +76,6 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 
 	// The cache's earlier loads take their file slots first (loadOrder).
 	turn.wait(ctx)
-	defer turn.done() // on every path; a second call does nothing
 	var wg sync.WaitGroup
 	for _, en := range order {
 		idx := byEntry[en]
