@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
 // budgetSet is Config.Budgets, checked, and what evictions counted of
@@ -223,16 +224,16 @@ func (t *tables) budgetStats(counts map[uint64]index.FPCount, nss []NamespaceSta
 	return out
 }
 
-// capacity is the bytes of the capacity of the mounts of kvhost's own
+// ownCapacity is the bytes of the capacity of the mounts of kvhost's own
 // layout (a vllm-fs mount serves one namespace of its own): what the
 // budgets' floors must fit in.
-func (e *Engine) capacity() int64 {
+func ownCapacity(mounts []*mount, sp *space.Space) int64 {
 	var sum int64
-	for _, m := range e.mounts {
+	for _, m := range mounts {
 		if m.raw != nil {
 			continue
 		}
-		_, c := e.space.Usage(m.sp)
+		_, c := sp.Usage(m.sp)
 		sum += c
 	}
 	return sum

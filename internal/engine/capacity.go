@@ -87,7 +87,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 	if _, capacity := e.space.Usage(m.sp); size > capacity {
 		return e.exceedsCapacity(m, size, capacity)
 	}
-	note, stopped := e.evictNoted(ctx, m, size)
+	note, stopped := e.evict(ctx, m, size)
 	if reserve(space.Capacity) {
 		return nil
 	}
@@ -151,16 +151,11 @@ func (e *Engine) unreserve(m *mount, size int64) {
 // (demoteHeld). A caller that gives up (ctx cancelled) before room is
 // needed or while it is made stops it before its next deletion or move,
 // with ctx's error: the files already claimed are removed, and the
-// policy told. m.evictMu is held.
-func (e *Engine) evict(ctx context.Context, m *mount, size int64) error {
-	_, err := e.evictNoted(ctx, m, size)
-	return err
-}
-
-// evictNoted is evict, also returning why files the policy offered were
-// left: the budgets' floors that kept them (budgetRound.floorNote), or "".
-func (e *Engine) evictNoted(ctx context.Context, m *mount, size int64) (string, error) {
-	note, err := e.evictRounds(ctx, m, size)
+// policy told. m.evictMu is held. note says why files the policy
+// offered were left: the budgets' floors that kept them
+// (budgetRound.floorNote), or "".
+func (e *Engine) evict(ctx context.Context, m *mount, size int64) (note string, err error) {
+	note, err = e.evictRounds(ctx, m, size)
 	if err != nil {
 		return note, err
 	}

@@ -251,7 +251,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts
-	if err := e.tables.budgets.checkFloors(e.capacity()); err != nil {
+	if err := e.tables.budgets.checkFloors(ownCapacity(e.mounts, e.space)); err != nil {
 		return nil, fmt.Errorf("engine: %w", err)
 	}
 	e.tier = newTiering(e)

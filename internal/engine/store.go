@@ -415,7 +415,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 				// This store's reservation, still counted as used, holds
 				// no bytes there now: its file was removed.
 				e.watch.refreshCapacityLess(m, true, size)
-				e.evict(ctx, m, 0)
+				_, _ = e.evict(ctx, m, 0)
 				m.evictMu.Unlock()
 				continue
 			}
