@@ -28,8 +28,9 @@ last token, the device synchronized at both ends:
                kvhost client), then compute the suffix
     layerwise  KvhostConnector (kvhost.vllm), driven as vLLM drives it
                without vLLM: its scheduler half claims the whole prefix
-               (load_split "all"), its worker's start_load_kv submits one
-               load job per --layers-per-load layers at once and each
+               (load_split "all"), its worker's start_load_kv submits its
+               load jobs at once (--layers-per-load layers each, the first
+               and last one layer with --layer-groups ramp) and each
                layer calls wait_for_layer_load right before its attention
                (as vLLM's attention layers do), so layer i can load while
                layer i-1 computes
@@ -89,7 +90,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import types
 import warnings
@@ -136,6 +136,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda", help="torch device (cpu: tests)")
     ap.add_argument("--tokens-per-key", type=int, default=256, help="tokens per kvhost key (and llm-d file)")
     ap.add_argument("--layers-per-load", type=int, default=4, help="layers per layer-wise load job")
+    ap.add_argument("--layer-groups", default="ramp", choices=("ramp", "even"),
+                    help="the connector's layer_groups: ramp (first and last jobs one layer) or even")
     ap.add_argument("--job-timeout", type=float, default=120, help="seconds a load may take before it fails")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corrupt-stored", action="store_true",
@@ -597,55 +599,86 @@ class Request:
 class Lookups:
     """Times the connector's scheduler-side lookup, get_num_new_matched_tokens
     of a prompt of the prefix and the suffix (all of the prefix cached),
-    as vLLM's scheduler asks it for a waiting request: n calls back to back
-    with nothing else running (idle), then one call every 200 us on a
-    thread while the layer-wise loads run (beside loads; in this process,
-    so the worker's Python threads compete for the interpreter as they
-    would not in vLLM, where the scheduler is a process of its own)."""
+    as vLLM's scheduler asks it for a waiting request, in a process of its
+    own (vLLM's scheduler is a process apart from its workers): n calls
+    back to back with nothing else running (idle), then one call every
+    200 us while the layer-wise loads run (beside loads)."""
 
     def __init__(self, conn, p, tokens, n):
-        self.sched = conn.scheduler(load_split="all")
-        self.req = Request(f"lookups-{p}", conn._names(p, tokens), tokens)
-        self.p, self.n, self.want, self.changed = p, n, None, 0
-        self.busy, self.stopping, self.thread = [], threading.Event(), None
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA
+        self.p = p
+        self.pipe, child = ctx.Pipe()
+        req = Request(f"lookups-{p}", conn._names(p, tokens), tokens)
+        self.proc = ctx.Process(target=lookup_process, daemon=True,
+                                args=(child, conn.config(save=False, load_split="all"), req, n))
+        self.proc.start()
+        child.close()
 
-    def _one(self):
-        t0 = time.perf_counter_ns()
-        k, _ = self.sched.get_num_new_matched_tokens(self.req, 0)
-        dt = time.perf_counter_ns() - t0
-        if self.want is None:
-            self.want = k
-        elif k != self.want:
-            self.changed += 1  # a key dropped meanwhile (a corrupt file): counted, not timed apart
-        return dt / 1e3
+    def _recv(self, what):
+        if not self.pipe.poll(120):
+            raise SystemExit(f"ttft-bench: the lookup process sent no {what} in 120 s")
+        msg = self.pipe.recv()
+        if isinstance(msg, BaseException):
+            raise SystemExit(f"ttft-bench: the lookup process failed: {msg!r}")
+        return msg
 
     def idle(self):
-        self._one()  # the request's keys, made once as vLLM's request state keeps them
-        self.idle_us = [self._one() for _ in range(self.n)]
+        self._recv("idle lookups")  # sent once the back-to-back calls ran
 
     def start(self):
-        def loop():  # at least one lookup, however short the loads
-            while True:
-                self.busy.append(self._one())
-                if self.stopping.wait(200e-6):
-                    return
-        self.thread = threading.Thread(target=loop, daemon=True)
-        self.thread.start()
+        self.pipe.send("go")
+        self._recv("start of the lookups beside loads")
 
     def stop(self):
-        self.stopping.set()
-        self.thread.join()
-        self.sched.shutdown()
-        out = {"claimed_tokens": self.want, "claims_changed": self.changed}
-        for name, xs in (("idle", self.idle_us), ("beside_loads", self.busy)):
+        self.pipe.send("stop")
+        out = self._recv("results")
+        self.proc.join(30)
+        i, b = out["idle"], out["beside_loads"]
+        print(f"lookup P {self.p} tokens {out['claimed_tokens']} idle p50_us {i.get('p50_us', 0):.1f} p99_us "
+              f"{i.get('p99_us', 0):.1f} n {i['n']} beside_loads p50_us {b.get('p50_us', 0):.1f} p99_us "
+              f"{b.get('p99_us', 0):.1f} n {b['n']} (own process)", flush=True)
+        return out
+
+
+def lookup_process(pipe, config, req, n):
+    """The body of Lookups' process: a scheduler half of config, req's
+    lookups timed, driven and answered through pipe."""
+    try:
+        from kvhost.vllm import connector
+        sched = connector.connector_class(types.SimpleNamespace(KVConnectorBase_V1=None))(
+            None, "scheduler", config=config)
+        want, changed = None, 0
+
+        def one():
+            nonlocal want, changed
+            t0 = time.perf_counter_ns()
+            k, _ = sched.get_num_new_matched_tokens(req, 0)
+            dt = time.perf_counter_ns() - t0
+            if want is None:
+                want = k
+            elif k != want:
+                changed += 1  # a key dropped meanwhile (a corrupt file): counted, not timed apart
+            return dt / 1e3
+
+        one()  # the request's keys, made once as vLLM's request state keeps them
+        idle = [one() for _ in range(n)]
+        pipe.send("idle")
+        pipe.recv()  # go
+        busy = [one()]
+        pipe.send("started")
+        while not pipe.poll(200e-6):
+            busy.append(one())
+        pipe.recv()  # stop
+        sched.shutdown()
+        out = {"claimed_tokens": want, "claims_changed": changed, "process": "own"}
+        for name, xs in (("idle", idle), ("beside_loads", busy)):
             xs = sorted(xs)
             out[name] = {"n": len(xs), "p50_us": xs[len(xs) // 2], "p99_us": xs[min(len(xs) - 1, len(xs) * 99 // 100)],
                          "max_us": xs[-1]} if xs else {"n": 0}
-        i, b = out["idle"], out["beside_loads"]
-        print(f"lookup P {self.p} tokens {self.want} idle p50_us {i.get('p50_us', 0):.1f} p99_us "
-              f"{i.get('p99_us', 0):.1f} n {i['n']} beside_loads p50_us {b.get('p50_us', 0):.1f} p99_us "
-              f"{b.get('p99_us', 0):.1f} n {b['n']}", flush=True)
-        return out
+        pipe.send(out)
+    except BaseException as e:  # reported to the bench, which fails
+        pipe.send(e)
 
 
 class Connector:
@@ -677,6 +710,7 @@ class Connector:
                   worker_kv_bytes_per_block=a.layers * 2 * cfg.block_bytes, engine_id="ttft-bench",
                   canonical_layout=False, replicated_layout=False,
                   extra_config={"socket": self.socket, "tensor_layout": "planes", "layers_per_load": a.layers_per_load,
+                                "layer_groups": a.layer_groups,
                                 "load_timeout_s": a.job_timeout, "job_timeout_s": a.job_timeout, **extra})
 
     def scheduler(self, **extra):
@@ -799,7 +833,7 @@ def main(argv=None):
     try:
         with kvhost.Client(daemon.socket if daemon else a.socket, name="ttft-bench", timeout=a.job_timeout) as c:
             bench = Bench(a, c, daemon.socket if daemon else a.socket)
-            layerwise = (f"layer-range loads, {a.layers_per_load} layer(s) per job" if bench.layer_loads else
+            layerwise = (f"layer-range loads, {a.layers_per_load} layer(s) per job ({a.layer_groups})" if bench.layer_loads else
                          "one load job (no connector, or a daemon without layer-range loads)")
             print(f"detail: model {a.layers} layers hidden {a.hidden} heads {a.heads}/{a.kv_heads}x{a.head_dim} "
                   f"mlp {a.mlp} vocab {a.vocab}; attention: {bench.model.attention.kind}; layerwise: {layerwise}; "

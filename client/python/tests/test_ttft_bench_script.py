@@ -79,6 +79,7 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertTrue(all(v >= 0 for v in size["split_costs"].values()), size["split_costs"])
         look = size["lookups"]  # the connector's lookups of the prompt, idle and beside the loads
         self.assertEqual(look["claimed_tokens"], 64)
+        self.assertEqual(look["process"], "own")  # apart from the loads' process, as vLLM's scheduler is
         self.assertEqual(look["idle"]["n"], 2000)
         self.assertGreaterEqual(look["beside_loads"]["n"], 1)
         self.assertLessEqual(look["idle"]["p50_us"], look["idle"]["p99_us"])

@@ -207,7 +207,7 @@ class SplitTest(unittest.TestCase):
 
     def test_bad_cost_options_are_refused_by_name(self):
         for key, value in [("load_gbps", 0), ("prefill_us_per_token", -1), ("layers_per_load", 0),
-                           ("load_split", "some"), ("tensor_layout", "rows"), ("no_such_option", 1)]:
+                           ("layer_groups", "odd"), ("load_split", "some"), ("tensor_layout", "rows"), ("no_such_option", 1)]:
             with self.subTest(key=key):
                 with self.assertRaisesRegex(ValueError, key):
                     C.options({"socket": "/nonexistent", key: value})
@@ -254,8 +254,8 @@ class _FakeClient:
 class LayerWaitTest(unittest.TestCase):
     """The worker's waits per layer group, against a stand-in client."""
 
-    def worker(self, layers_per_load):
-        o = C.options({"socket": "/nonexistent", "layers_per_load": layers_per_load})
+    def worker(self, layers_per_load, layer_groups="even"):
+        o = C.options({"socket": "/nonexistent", "layers_per_load": layers_per_load, "layer_groups": layer_groups})
         cfg = offloading_config("/nonexistent")
         w = C.ConnectorWorker(cfg, C.identity(cfg, o), o)
         w._client, w._cache, w._nblocks, w._tensors = _FakeClient(), 1, NBLOCKS, []
@@ -284,6 +284,38 @@ class LayerWaitTest(unittest.TestCase):
         self.assertFalse(w._client.jobs[1].done())
         w._client.jobs[1].finish()
         w.finish_loads()
+
+    def test_a_ramp_loads_the_first_and_last_layers_alone(self):
+        w = self.worker(2, "ramp")
+        w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0"], [[0, 1]])]))
+        jobs = w._client.jobs
+        self.assertEqual([j.layers for j in jobs], [(0, 1), (1, 2), (3, 1)])
+        jobs[0].finish()
+        w.wait_layer(NAMES[0])  # layer 0 waits for its one-layer job only
+        self.assertEqual([j.done() for j in jobs], [True, False, False])
+        jobs[1].finish()
+        w.wait_layer(NAMES[2])  # layers 1 and 2 share a job
+        self.assertFalse(jobs[2].done())
+        jobs[2].finish()
+        w.wait_layer(NAMES[3])
+        w.finish_loads()
+        self.assertEqual(w.take_errors(), set())
+
+    def test_layer_groups_cover_every_layer_once_in_order(self):
+        cases = [  # layers, per load, shape, want
+            (32, 4, "ramp", [(0, 1)] + [(f, 4) for f in range(1, 29, 4)] + [(29, 2), (31, 1)]),
+            (32, 4, "even", [(f, 4) for f in range(0, 32, 4)]),
+            (32, 1, "ramp", [(f, 1) for f in range(32)]),
+            (2, 4, "ramp", [(0, 2)]),
+            (3, 4, "ramp", [(0, 1), (1, 1), (2, 1)]),
+            (5, 8, "ramp", [(0, 1), (1, 3), (4, 1)]),
+            (1, 1, "ramp", [(0, 1)]),
+        ]
+        for layers, per, shape, want in cases:
+            with self.subTest(layers=layers, per=per, shape=shape):
+                got = C.layer_groups(layers, per, shape)
+                self.assertEqual(got, want)
+                self.assertEqual([l for f, n in got for l in range(f, f + n)], list(range(layers)))
 
     def test_a_daemon_without_layer_loads_gets_one_job_for_every_layer(self):
         w = self.worker(1)

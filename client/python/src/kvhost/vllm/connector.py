@@ -58,6 +58,7 @@ OPTIONS = {
     "namespace": "",            # extra text in the namespace identity
     "client_name": "vllm-connector",
     "layers_per_load": 4,       # layers per load job (4: the fastest on the H200; 1: every layer waits only for its own)
+    "layer_groups": "ramp",     # "ramp": the first and last load jobs one layer each, the rest layers_per_load; "even"
     "load_split": "auto",       # "auto": load or recompute; "all": claim every cached token; "off": load nothing
     "load_gbps": 2.0,           # the load rate the split starts from (GB/s, per worker), then measured
     "load_latency_ms": 1.0,     # a load's fixed cost
@@ -82,6 +83,7 @@ OPTIONS = {
 VLLM_KEYS = frozenset({"block_size", "blocks_per_chunk", "canonical_layout"})
 
 SPLITS = ("auto", "all", "off")
+LAYER_GROUPS = ("ramp", "even")
 TENSOR_LAYOUTS = ("blocks", "planes")
 
 
@@ -99,6 +101,8 @@ def options(extra):
     n = o["layers_per_load"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"kvhost.vllm: layers_per_load: want an integer >= 1, got {n!r}")
+    if o["layer_groups"] not in LAYER_GROUPS:
+        raise ValueError(f"kvhost.vllm: layer_groups: want one of {', '.join(LAYER_GROUPS)}, got {o['layer_groups']!r}")
     if o["load_split"] not in SPLITS:
         raise ValueError(f"kvhost.vllm: load_split: want one of {', '.join(SPLITS)}, got {o['load_split']!r}")
     if o["tensor_layout"] not in TENSOR_LAYOUTS:
@@ -122,6 +126,20 @@ def options(extra):
     if not 0 < o["load_rate_alpha"] <= 1:
         raise ValueError(f"kvhost.vllm: load_rate_alpha: want 0 < alpha <= 1, got {o['load_rate_alpha']!r}")
     return o
+
+
+def layer_groups(layers, per_load, shape="ramp"):
+    """The (first, count) layer ranges of one step's load jobs, in layer
+    order: per_load layers each ("even"), or ("ramp") the first and the
+    last one layer each and per_load layers each between them. Where the
+    loads are slower than the forward pass, layer 0 waits for the first
+    job and the last job's layers are computed after every load has
+    ended: one-layer ends shorten both, and the larger jobs between them
+    keep the daemon's cost per job low."""
+    if shape == "even" or per_load == 1 or layers <= 2:
+        return [(f, min(per_load, layers - f)) for f in range(0, layers, per_load)]
+    inner = [(f, min(per_load, layers - 1 - f)) for f in range(1, layers - 1, per_load)]
+    return [(0, 1)] + inner + [(layers - 1, 1)]
 
 
 def cost_model(o, bytes_per_token):
@@ -798,7 +816,7 @@ class ConnectorWorker(_Half):
 
     def start_load(self, meta):
         """Submits the step's loads (meta.loads) at once: one daemon job per
-        group of layers_per_load layers (or one for every layer where the
+        group of layers (layer_groups; one job for every layer where the
         daemon cannot load a layer range), in layer order."""
         self._step = None
         loads = [t for t in getattr(meta, "loads", ()) if t.keys]
@@ -806,8 +824,8 @@ class ConnectorWorker(_Half):
             return
         nl = len(self._names)
         lpl = self._opts["layers_per_load"] if self._client is not None and self.layer_loads() else nl
-        groups = [(f, min(lpl, nl - f)) for f in range(0, nl, lpl)]
-        step = _Step(getattr(meta, "step", 0), [i // lpl for i in range(nl)])
+        groups = layer_groups(nl, lpl, self._opts["layer_groups"])
+        step = _Step(getattr(meta, "step", 0), [g for g, (_, n) in enumerate(groups) for _ in range(n)])
         self._step = step
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
