@@ -601,8 +601,10 @@ class Lookups:
     of a prompt of the prefix and the suffix (all of the prefix cached),
     as vLLM's scheduler asks it for a waiting request, in a process of its
     own (vLLM's scheduler is a process apart from its workers): n calls
-    back to back with nothing else running (idle), then one call every
-    200 us while the layer-wise loads run (beside loads)."""
+    back to back with nothing else running (idle), n/4 calls one every
+    200 us with nothing else running (idle spaced: what the pauses alone
+    cost), then one call every 200 us while the layer-wise loads run
+    (beside loads)."""
 
     def __init__(self, conn, p, tokens, n):
         import multiprocessing
@@ -634,10 +636,11 @@ class Lookups:
         self.pipe.send("stop")
         out = self._recv("results")
         self.proc.join(30)
-        i, b = out["idle"], out["beside_loads"]
+        i, sp, b = out["idle"], out["idle_spaced"], out["beside_loads"]
         print(f"lookup P {self.p} tokens {out['claimed_tokens']} idle p50_us {i.get('p50_us', 0):.1f} p99_us "
               f"{i.get('p99_us', 0):.1f} n {i['n']} beside_loads p50_us {b.get('p50_us', 0):.1f} p99_us "
-              f"{b.get('p99_us', 0):.1f} n {b['n']} (own process)", flush=True)
+              f"{b.get('p99_us', 0):.1f} n {b['n']} idle_spaced p50_us {sp.get('p50_us', 0):.1f} p99_us "
+              f"{sp.get('p99_us', 0):.1f} n {sp['n']} (own process)", flush=True)
         return out
 
 
@@ -663,6 +666,9 @@ def lookup_process(pipe, config, req, n):
 
         one()  # the request's keys, made once as vLLM's request state keeps them
         idle = [one() for _ in range(n)]
+        spaced = []  # one every 200 us, nothing else running: what the pauses alone cost
+        while len(spaced) < max(1, n // 4) and not pipe.poll(200e-6):
+            spaced.append(one())
         pipe.send("idle")
         pipe.recv()  # go
         busy = [one()]
@@ -672,7 +678,7 @@ def lookup_process(pipe, config, req, n):
         pipe.recv()  # stop
         sched.shutdown()
         out = {"claimed_tokens": want, "claims_changed": changed, "process": "own"}
-        for name, xs in (("idle", idle), ("beside_loads", busy)):
+        for name, xs in (("idle", idle), ("idle_spaced", spaced), ("beside_loads", busy)):
             xs = sorted(xs)
             out[name] = {"n": len(xs), "p50_us": xs[len(xs) // 2], "p99_us": xs[min(len(xs) - 1, len(xs) * 99 // 100)],
                          "max_us": xs[-1]} if xs else {"n": 0}

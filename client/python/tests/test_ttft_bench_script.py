@@ -82,6 +82,7 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(look["process"], "own")  # apart from the loads' process, as vLLM's scheduler is
         self.assertEqual(look["idle"]["n"], 2000)
         self.assertGreaterEqual(look["beside_loads"]["n"], 1)
+        self.assertEqual(look["idle_spaced"]["n"], 500)  # a quarter of the back-to-back calls, 200 us apart
         self.assertLessEqual(look["idle"]["p50_us"], look["idle"]["p99_us"])
         self.assertRegex(out.stdout, r"lookup P 64 tokens 64 idle p50_us [\d.]+ p99_us [\d.]+ n 2000 beside_loads ")
         self.assertEqual(data["machine"]["device"], "cpu")
