@@ -587,6 +587,7 @@ func (t *tiering) moveEntry(ctx context.Context, id uint64, target int, mayEvict
 	if tm.idx < sm.idx {
 		t.st.promotions.Add(1)
 	}
+	t.rm.movedKeys(en, en2)
 	t.files.access(ctx, recs)
 	unindexed = true
 	return t.removeMoved(en), nil
@@ -627,6 +628,7 @@ func (t *tiering) dropCopy(ctx context.Context, en, dup *entry, held bool) error
 	if !ok {
 		return errMoveStale
 	}
+	t.rm.movedKeys(en, dup)
 	if t.mounts[dup.Mount].idx < t.mounts[en.Mount].idx {
 		t.st.promotions.Add(1)
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/format"
 )
 
@@ -26,10 +27,16 @@ import (
 // reports whether en was still indexed, that is, whether this call
 // dropped it.
 func (r *remover) drop(ctx context.Context, en *entry, remove bool, why string) bool {
+	return r.dropAs(ctx, en, remove, why, reasonOf(why))
+}
+
+// dropAs is drop, its keys' removal recorded for reason (published).
+func (r *remover) dropAs(ctx context.Context, en *entry, remove bool, why string, reason removals.Reason) bool {
 	was, claimed, rec := r.ix.Drop(en, remove, r.now().UnixNano())
 	if !was {
 		return false
 	}
+	r.published(en, reason)
 	r.dropped(ctx, en, claimed, rec, why)
 	return true
 }
@@ -92,6 +99,11 @@ func (r *remover) removeClaimed(en *entry) (left bool) {
 // evictClaimed is removeClaimed for an evicted entry: the file may be
 // kept as a spare (spares.go), its bytes then moving to the spares.
 func (r *remover) evictClaimed(en *entry) {
+	reason := removals.Evicted
+	if r.mounts[en.Mount].cluster != nil {
+		reason = removals.ClusterEvicted
+	}
+	r.published(en, reason)
 	kept, left, at := r.disposeIfSame(en.Path, []*entry{en}, true)
 	if kept {
 		fl, orphans := r.ix.ReleaseKept(en.Path, en)
@@ -128,7 +140,7 @@ func (r *remover) removeAt(at string, en *entry) (left bool) {
 // purge, a move, an eviction; a load's pin stops none but the last) is its
 // own doing, not a vanishing. It reports whether this call dropped en.
 func (r *remover) dropVanished(ctx context.Context, en *entry, why string) bool {
-	if !r.drop(ctx, en, false, why) {
+	if !r.dropAs(ctx, en, false, why, removals.Vanished) {
 		return false
 	}
 	r.vanished.Add(1)

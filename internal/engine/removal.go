@@ -7,12 +7,14 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/engine/removals"
 )
 
 // The removal part (docs/engine.md, "Removal"): dropping entries from the
@@ -44,6 +46,65 @@ type remover struct {
 
 	vanished atomic.Uint64 // Stats.Vanished
 	failures atomic.Uint64 // Stats.RemoveFailures
+
+	// feed records every key that leaves the index or changes mount
+	// (published, movedKeys), for the daemon's removal streams
+	// (Engine.Removals); sweep finds the files other nodes removed
+	// while it has subscribers (removalfeed.go).
+	feed  removals.Feed
+	sweep vanishSweep
+}
+
+// published records the removal of the keys of en, which has just left
+// the index, for reason: those the index no longer finds (a key another
+// file holds is still stored: no record). It costs one atomic load while
+// the feed has never had a subscriber.
+func (r *remover) published(en *entry, reason removals.Reason) {
+	if !r.feed.Recording() || en.Spare {
+		return
+	}
+	recs := make([]removals.Record, 0, len(en.Keys))
+	for _, k := range en.Keys {
+		if r.ix.Get(en.FP, []byte(k)) != nil {
+			continue
+		}
+		recs = append(recs, removals.Record{FP: en.FP, Key: k, Reason: reason, Mount: en.Mount, To: removals.NoMount})
+	}
+	r.feed.Publish(recs...)
+}
+
+// movedKeys records that the keys of en, a move's source, are now in to,
+// the copy (or the file at the target) that took its place in the index:
+// those the index finds in to.
+func (r *remover) movedKeys(en, to *entry) {
+	if !r.feed.Recording() {
+		return
+	}
+	recs := make([]removals.Record, 0, len(en.Keys))
+	for _, k := range en.Keys {
+		if r.ix.Get(en.FP, []byte(k)) != to {
+			continue
+		}
+		recs = append(recs, removals.Record{FP: en.FP, Key: k, Reason: removals.Moved, Mount: en.Mount, To: to.Mount})
+	}
+	r.feed.Publish(recs...)
+}
+
+// reasonOf is the feed's reason of a drop (drop, dropUnpinned) that its
+// caller explains as why: "deleted", "purged" (and "purged on the
+// cluster"), "corrupt" and a vllm-fs row cut short; anything else is a
+// file that went behind the engine's back (dropVanished's, and the old
+// file of a store that failed after its rename).
+func reasonOf(why string) removals.Reason {
+	switch {
+	case why == "deleted":
+		return removals.Deleted
+	case strings.HasPrefix(why, "purged"):
+		return removals.Purged
+	case why == "corrupt", strings.HasSuffix(why, "cut short"):
+		return removals.Corrupt
+	}
+	return removals.Vanished
 }
 
 // removalHost is what removal asks of the rest of the engine: a spare kept of an evicted file (spares.go), the

@@ -222,6 +222,9 @@ func (f *Feed) Close() {
 // (head + 1 where it is empty).
 func (f *Feed) oldestLocked() uint64 { return f.head - uint64(len(f.ring)) + 1 }
 
+// Subscribers returns the subscriptions open now.
+func (f *Feed) Subscribers() int64 { return f.subscribers.Load() }
+
 // Stats are a feed's counters and state.
 type Stats struct {
 	Published   uint64 // records published since the first subscription

@@ -1,0 +1,106 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/engine/removals"
+)
+
+// The removal feed (docs/engine.md, "Removal"): the remover records each
+// key that leaves the index, and each key a move takes to another mount,
+// in its feed (removal.go: published, movedKeys); the daemon's removal
+// streams read it (Engine.Removals). A key removed by another node on a
+// shared mount leaves this engine's index only when this engine looks at
+// its file: a lookup, a pin or a load that finds it gone. So while the
+// feed has subscribers, a sweep lists, every interval, the directories
+// of the files other nodes may remove (mount.othersRemove) and checks
+// those whose names are gone (checker.verify), which drops them as
+// vanished: another node's removal becomes a record here within an
+// interval and a sweep's round.
+
+// defaultSweepInterval is the sweep's interval where vanishSweep.every
+// is zero: another node's removal is recorded here within about a
+// second.
+const defaultSweepInterval = time.Second
+
+// vanishSweep is the sweep's state (the remover's).
+type vanishSweep struct {
+	once   sync.Once
+	every  time.Duration // 0: defaultSweepInterval; set before Removals
+	rounds atomic.Uint64 // rounds done (tests wait for them)
+	found  atomic.Uint64 // files found gone by the sweep
+}
+
+// Removals returns the engine's removal feed: every key that leaves the
+// index (evicted, deleted, purged, corrupt, vanished) and every key a
+// move takes to another mount, from its first subscription on. The first
+// call starts the sweep that finds the files other nodes removed on a
+// shared mount; the feed is closed when the engine is.
+func (e *Engine) Removals() *removals.Feed {
+	e.rm.sweep.once.Do(func() { go e.sweepVanished() })
+	return &e.rm.feed
+}
+
+// sweepVanished runs the sweep's rounds while the feed has subscribers,
+// until the engine closes, and then closes the feed.
+func (e *Engine) sweepVanished() {
+	defer e.rm.feed.Close()
+	every := e.rm.sweep.every
+	if every <= 0 {
+		every = defaultSweepInterval
+	}
+	tk := time.NewTicker(every)
+	defer tk.Stop()
+	for {
+		select {
+		case <-e.busy.down:
+			return
+		case <-tk.C:
+		}
+		if e.rm.feed.Subscribers() == 0 {
+			continue
+		}
+		if e.busy.calls.enter() != nil {
+			return
+		}
+		e.sweepRound(context.Background())
+		e.busy.calls.exit()
+	}
+}
+
+// sweepRound lists the directory of every indexed file that another node
+// may remove (mount.othersRemove) and checks those whose names are gone
+// from it (checker.verify: a stat), which drops a file gone as vanished.
+// A directory whose listing fails is skipped: its files are checked at
+// the next round. A name still listed is not checked: a file another
+// node replaced at the path holds the key still.
+func (e *Engine) sweepRound(ctx context.Context) {
+	ens := e.ix.Matching(nil, func(en *entry) bool { return !en.Spare && e.mounts[en.Mount].othersRemove(en) })
+	byDir := map[string][]*entry{}
+	for _, en := range ens {
+		dir := filepath.Dir(en.Path)
+		byDir[dir] = append(byDir[dir], en)
+	}
+	for dir, list := range byDir {
+		ents, err := e.fs.ReadDir(dir)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		have := make(map[string]bool, len(ents))
+		for _, d := range ents {
+			have[d.Name()] = true
+		}
+		for _, en := range list {
+			if !have[filepath.Base(en.Path)] && !e.chk.verify(ctx, en) {
+				e.rm.sweep.found.Add(1)
+			}
+		}
+	}
+	e.rm.sweep.rounds.Add(1)
+}

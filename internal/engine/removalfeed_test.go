@@ -1,0 +1,270 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/engine/removals"
+	"github.com/kvhost/kvhost/internal/testwait"
+)
+
+// feedRecords returns every record sub has now: Next with a context
+// already cancelled returns what there is, and the context's error once
+// nothing is left.
+func feedRecords(t *testing.T, sub *removals.Subscription) []removals.Record {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var out []removals.Record
+	for {
+		b, err := sub.Next(ctx, 64)
+		if errors.Is(err, context.Canceled) {
+			return out
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b.Resync {
+			t.Fatal("a resync on a subscription that read everything")
+		}
+		out = append(out, b.Records...)
+	}
+}
+
+// subscribe opens a first subscription to e's feed, closed at the test's
+// end.
+func subscribe(t *testing.T, e *Engine) *removals.Subscription {
+	t.Helper()
+	sub, _, _, err := e.Removals().Subscribe(nil, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(sub.Close)
+	return sub
+}
+
+// missing returns the keys of keys that e no longer finds in ns.
+func missing(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) []string {
+	t.Helper()
+	var out []string
+	for _, k := range keys {
+		if n, err := e.Lookup(context.Background(), ns, [][]byte{k}); err != nil {
+			t.Fatal(err)
+		} else if n == 0 {
+			out = append(out, string(k))
+		}
+	}
+	return out
+}
+
+// TestEachRemovalReasonRecordsEachRemovedKeyOnce: every way a key leaves
+// the index (an eviction, a delete, a purge, a corrupt file, a file
+// removed behind the engine's back) records each key that left exactly
+// once, with its reason and mount, and no key still stored; a demotion
+// records each key it moved, with the mount it is on now.
+func TestEachRemovalReasonRecordsEachRemovedKeyOnce(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	for _, tc := range []struct {
+		name   string
+		reason removals.Reason
+		mounts func(t *testing.T) []Mount
+		demote bool
+		// act removes some of keys (all stored, one per file) and
+		// returns how many it removed at least.
+		act func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) int
+	}{
+		{name: "evicted", reason: removals.Evicted,
+			mounts: func(t *testing.T) []Mount { return []Mount{{Path: t.TempDir(), Capacity: 6 * fileLen}} },
+			act:    func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) int { return 1 }, // the stores past 6 files evicted
+		},
+		{name: "deleted", reason: removals.Deleted,
+			act: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) int {
+				if n, err := e.Delete(ctx, ns, [][]byte{keys[1], keys[3], keys[3]}); n != 2 || err != nil {
+					t.Fatalf("Delete: %d, %v", n, err)
+				}
+				return 2
+			},
+		},
+		{name: "purged", reason: removals.Purged,
+			act: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) int {
+				fp, _ := e.Fingerprint(ns)
+				if r, err := e.Purge(ctx, fp); err != nil || r.Files != len(keys) {
+					t.Fatalf("Purge: %+v, %v", r, err)
+				}
+				return len(keys)
+			},
+		},
+		{name: "corrupt", reason: removals.Corrupt,
+			act: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) int {
+				en := e.find(e.tables.get(ns), keys[2])
+				f, err := os.OpenFile(en.Path, os.O_WRONLY, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := f.WriteAt([]byte("not the stored bytes"), en.Size-64); err != nil {
+					t.Fatal(err)
+				}
+				f.Close()
+				c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+				res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys[2:3], Blocks: [][]int{{0, 1, 2, 3}}}))
+				if res.Keys[0].Outcome != OutcomeFailed || !errors.Is(res.Keys[0].Err, ErrCorrupt) {
+					t.Fatalf("load of the corrupt file: %v %v", res.Keys[0].Outcome, res.Keys[0].Err)
+				}
+				return 1
+			},
+		},
+		{name: "vanished", reason: removals.Vanished,
+			act: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) int {
+				if err := os.Remove(e.find(e.tables.get(ns), keys[0]).Path); err != nil {
+					t.Fatal(err)
+				}
+				return 1 // found by the lookups that follow
+			},
+		},
+		{name: "moved", reason: removals.Moved, demote: true,
+			mounts: func(t *testing.T) []Mount {
+				return []Mount{{Path: t.TempDir(), Capacity: 6 * fileLen}, {Path: t.TempDir()}}
+			},
+			act: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) int { return 1 }, // the stores past 6 files demoted
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			mounts := []Mount{{Path: t.TempDir()}}
+			if tc.mounts != nil {
+				mounts = tc.mounts(t)
+			}
+			cfg := Config{Mounts: mounts, Policy: newTestPolicy(1, abi.OrderLayerMajor)}
+			if tc.demote {
+				cfg.Policy = &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
+			}
+			e := openEngine(t, cfg)
+			sub := subscribe(t, e)
+			ns, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fp, _ := e.Fingerprint(ns)
+			n := &node{e: e, ns: ns, c: newTestCache(t, e, ns, g, 64, layoutPlaneFirst)}
+			keys := storeKeys(t, n, tc.name, 10, rand.New(rand.NewPCG(86, 86)))
+			least := tc.act(t, e, ns, keys)
+			gone := missing(t, e, ns, keys)
+			recs := feedRecords(t, sub)
+			var got []string
+			for _, r := range recs {
+				if r.Reason != tc.reason || r.FP != fp {
+					t.Fatalf("record %+v: want reason %v, namespace %016x", r, tc.reason, fp)
+				}
+				if tc.reason == removals.Moved && (r.Mount != 0 || r.To != 1) || tc.reason != removals.Moved && (r.Mount != 0 || r.To != removals.NoMount) {
+					t.Fatalf("record %+v: wrong mounts", r)
+				}
+				got = append(got, r.Key)
+			}
+			sort.Strings(got)
+			if len(got) < least || len(slices.Compact(slices.Clone(got))) != len(got) {
+				t.Fatalf("records of %v: want at least %d, each once", got, least)
+			}
+			want := gone
+			if tc.reason == removals.Moved {
+				want = nil
+				for _, k := range keys {
+					if en := e.find(e.tables.get(ns), k); en != nil && en.Mount == 1 {
+						want = append(want, string(k))
+					}
+				}
+				if len(gone) != 0 {
+					t.Fatalf("keys %v lost by demotions", gone)
+				}
+			}
+			sort.Strings(want)
+			if !slices.Equal(got, want) {
+				t.Fatalf("records of %v; want exactly %v", got, want)
+			}
+		})
+	}
+}
+
+// TestAKeyAnotherNodeRemovesBecomesARecordHere: two engines on one
+// cluster mount; B has indexed A's files (a lookup). A deletes some of
+// its keys and its cluster capacity evicts others: B's sweep finds their
+// files gone and records each of those keys once, vanished, and none of
+// the keys still stored; A records them deleted and cluster-evicted.
+func TestAKeyAnotherNodeRemovesBecomesARecordHere(t *testing.T) {
+	ctx := context.Background()
+	fileLen := oneFileBytes(t)
+	dir := t.TempDir()
+	a := clusterNode(t, dir, "a", 8*fileLen, 20*time.Millisecond)
+	b := clusterNode(t, dir, "b", 8*fileLen, time.Hour)
+	b.e.rm.sweep.every = 10 * time.Millisecond
+	sub := subscribe(t, b.e)
+	subA := subscribe(t, a.e)
+	r := rand.New(rand.NewPCG(8, 6))
+	keys := storeKeys(t, a, "a", 6, r)
+	if n, err := b.e.Lookup(ctx, b.ns, keys); n != len(keys) || err != nil {
+		t.Fatalf("B finds %d of A's %d keys (%v)", n, len(keys), err)
+	}
+	paths := map[string]string{}
+	for _, k := range keys {
+		paths[string(k)] = a.e.find(a.e.tables.get(a.ns), k).Path
+	}
+	if n, err := a.e.Delete(ctx, a.ns, keys[:2]); n != 2 || err != nil {
+		t.Fatalf("A's delete: %d, %v", n, err)
+	}
+	storeKeys(t, a, "more", 6, r) // past the cluster's 8 files: A evicts its oldest
+	testwait.Until(t, "A's eviction", testwait.Hang, func() bool { return a.e.Stats().Evictions > 0 })
+	// The keys whose files are gone from the mount: A's deletes and
+	// evictions (A's tick may evict more meanwhile).
+	gone := func() map[string]bool {
+		out := map[string]bool{}
+		for k, p := range paths {
+			if _, err := os.Stat(p); errors.Is(err, os.ErrNotExist) {
+				out[k] = true
+			}
+		}
+		return out
+	}
+	seen := map[string]int{}
+	testwait.Until(t, "B's records of exactly the keys A removed", testwait.Hang, func() bool {
+		for _, rec := range feedRecords(t, sub) {
+			if rec.Reason != removals.Vanished {
+				t.Fatalf("record %+v: want vanished", rec)
+			}
+			if seen[rec.Key]++; seen[rec.Key] > 1 {
+				t.Fatalf("key %s recorded twice on B", rec.Key)
+			}
+		}
+		g := gone()
+		if len(g) != len(seen) {
+			return false
+		}
+		for k := range g {
+			if seen[k] == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for k := range seen {
+		if n, _ := a.e.Lookup(ctx, a.ns, [][]byte{[]byte(k)}); n != 0 {
+			t.Fatalf("key %s recorded on B, still stored on A", k)
+		}
+	}
+	// A recorded its own removals with their reasons.
+	for _, rec := range feedRecords(t, subA) {
+		want := removals.ClusterEvicted
+		if slices.Contains([]string{string(keys[0]), string(keys[1])}, rec.Key) {
+			want = removals.Deleted
+		}
+		if rec.Reason != want {
+			t.Fatalf("A's record %+v: want %v", rec, want)
+		}
+	}
+}
