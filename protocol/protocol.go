@@ -149,6 +149,12 @@ func (t Type) name() string {
 		return "purge"
 	case TypeLoadLayers:
 		return "load-layers"
+	case TypeSubscribeRemovals:
+		return "subscribe-removals"
+	case TypeUnsubscribeRemovals:
+		return "unsubscribe-removals"
+	case TypeRemovals:
+		return "removals"
 	}
 	return ""
 }
@@ -278,6 +284,9 @@ func New(t Type) (Message, error) {
 		return m, nil
 	}
 	if m := newLayerMessage(t); m != nil {
+		return m, nil
+	}
+	if m := newRemovalMessage(t); m != nil {
 		return m, nil
 	}
 	return nil, fmt.Errorf("%w: %s", ErrUnknownType, t)

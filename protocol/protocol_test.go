@@ -422,7 +422,7 @@ func TestParseHeader(t *testing.T) {
 // file, of one id.
 func fuzzSeeds() [][]byte {
 	var seeds [][]byte
-	for _, m := range slices.Concat(sampleMessages(), pinMessages(), tableMessages(), purgeMessages(), layerMessages()) {
+	for _, m := range slices.Concat(sampleMessages(), pinMessages(), tableMessages(), purgeMessages(), layerMessages(), removalMessages()) {
 		seeds = append(seeds, AppendFrame(nil, 1, m))
 	}
 	return seeds
