@@ -106,7 +106,8 @@ type Client struct {
 	mu      sync.Mutex
 	pending map[uint64]request
 	jobs    map[uint64]*Job
-	err     error // set once the connection is lost
+	subs    map[uint32]*RemovalSubscription // removal streams (removals.go)
+	err     error                           // set once the connection is lost
 	done    chan struct{}
 	closing atomic.Bool
 }
@@ -262,6 +263,7 @@ func (c *Client) readLoop() {
 	c.err = err
 	pending, jobs := c.pending, c.jobs
 	c.pending, c.jobs = nil, nil
+	c.endSubscriptions(err)
 	c.mu.Unlock()
 	jobErr := err // a job's: its request was on the daemon's side
 	if !jobsEnded {
@@ -301,6 +303,10 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 		j.finish(resultOf(cm), nil)
 		return nil
 	}
+	if rm, ok := m.(*protocol.Removals); ok && h.ID == 0 {
+		c.removals(rm)
+		return nil
+	}
 	if e, isErr := m.(*protocol.Error); isErr && h.ID == 0 {
 		return e // the daemon refused the connection (limit, shutdown)
 	}
@@ -316,6 +322,9 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 		// pending: it fails with the connection.
 		c.mu.Unlock()
 		return fmt.Errorf("%s (request %d) answered with %s", r.t, h.ID, m.Type())
+	}
+	if sm, ok := m.(*protocol.RemovalsSubscribed); ok {
+		c.subscribed(sm) // before the next frame, maybe its first event
 	}
 	if r.job != nil {
 		if err := c.bind(r.job, m); err != nil {

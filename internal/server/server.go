@@ -31,6 +31,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/engine"
+	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 )
@@ -541,9 +542,10 @@ func (s *Server) refuse(b bound, format string, args ...any) *protocol.Error {
 
 // Server serves the kvhost protocol over a listener.
 type Server struct {
-	eng Engine
-	cfg Config
-	log *slog.Logger
+	eng  Engine
+	cfg  Config
+	log  *slog.Logger
+	feed *removals.Feed // the engine's removal feed (RemovalSource), or nil
 
 	mu       sync.Mutex
 	sessions map[*session]struct{} // every live connection
@@ -785,6 +787,9 @@ func New(eng Engine, cfg Config) (*Server, error) {
 		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
 	}
 	s.incoming.size, s.incoming.waiting = cfg.MaxIncomingBytes, &s.incomingWaiting
+	if src, ok := eng.(RemovalSource); ok {
+		s.feed = src.Removals()
+	}
 	return s, nil
 }
 

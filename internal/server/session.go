@@ -90,7 +90,9 @@ type session struct {
 	caches     map[uint32]*cache
 	group      string // the caches' group (Group); "" for none
 	nextID     uint32
-	pins       sessionPins // pins.go
+	pins       sessionPins               // pins.go
+	streams    map[uint32]*removalStream // removal subscriptions (removals.go)
+	nextStream uint32
 
 	jmu     sync.Mutex
 	jobs    map[uint64]*jobEntry
@@ -287,7 +289,7 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 			MaxRegistrations: uint32(c.MaxRegistrations), MaxInflightJobs: uint32(c.MaxInflightJobs),
 			MaxNamespaces: uint32(c.MaxNamespaces), MaxCaches: uint32(c.MaxCaches),
 			MaxKeys: protocol.MaxKeysPerRequest, MaxKeyLen: protocol.MaxKeyLen, Server: c.Name,
-			Features: protocol.FeatureLayerLoads,
+			Features: s.srv.features(),
 		})
 		s.log.Debug("client connected")
 		return true
@@ -310,6 +312,7 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		return true
 	}
 	var reply protocol.Message
+	var after func() // what follows the reply (a removal stream's start)
 	switch m := m.(type) {
 	case *protocol.RegisterMemory:
 		reply, err = s.registerMemory(m)
@@ -341,6 +344,10 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		reply, err = s.unpin(m)
 	case *protocol.Group:
 		reply, err = s.joinGroup(m)
+	case *protocol.SubscribeRemovals:
+		reply, after, err = s.subscribeRemovals(m)
+	case *protocol.UnsubscribeRemovals:
+		reply, err = s.unsubscribeRemovals(m)
 	case *protocol.LookupTableRequest:
 		if s.srv.cfg.LookupTable == "" {
 			err = perr(protocol.CodeUnsupported, "this daemon keeps no shared lookup table (engine.lookup_table = false)")
@@ -354,6 +361,9 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		reply = errorOf(err)
 	}
 	s.send(h.ID, reply)
+	if after != nil {
+		after()
+	}
 	if s.srv.cfg.OnRequest != nil {
 		s.srv.cfg.OnRequest(h.Type, time.Since(start))
 	}
