@@ -155,6 +155,13 @@ class RealTieringCase(vllm_tree.RealCase):
         ks = [key(i, tag) for i in range(n)]
         return root, ks, self.offload(writer, ks, ctx, seed=seed)
 
+    def assert_round_trip(self, h, ks, ctx, seed=0):
+        """ks offloaded to kvhost, vLLM's CPU tier reset, then promoted
+        back: the bytes vLLM reads are those it stored."""
+        want = self.offload(h, ks, ctx, seed=seed)
+        h.manager.reset_cache()
+        np.testing.assert_array_equal(self.promote_and_read(h, ks, ctx), want)
+
     def promote_and_read(self, h, ks, ctx, sink=None):
         """Lookups until HIT (a promotion from kvhost), then prepare_load:
         the bytes vLLM would copy to the GPU."""
@@ -598,10 +605,7 @@ class DaemonNotUpAtStart(RealTieringCase):
                 self.assertEqual(self.settle(m, key(0, f"early-{sig}"), ctx)[-1], R.MISS)
                 dm.start_again()
                 d.wait_for(lambda: tier.counters()["connected"], what="the tier to connect")
-                ks = [key(i, f"late-{sig}") for i in range(3)]
-                want = self.offload(h, ks, ctx, seed=4)
-                m.reset_cache()
-                np.testing.assert_array_equal(self.promote_and_read(h, ks, ctx), want)
+                self.assert_round_trip(h, [key(i, f"late-{sig}") for i in range(3)], ctx, seed=4)
                 self.assertEqual(tier.counters()["data_path"], "zero-copy")
                 # The reconnect thread logs after it swapped the connection in.
                 d.wait_for(lambda: logs.has("connected to the daemon at"), what="the connection logged")

@@ -856,21 +856,25 @@ class DaemonRestart(TierCase):
 
     def test_shutdown_gives_up_on_a_frozen_daemon_without_handing_its_staging_rows_on(self):
         """Shutdown gives up on a job the daemon has not ended after
-        job_timeout_s, but the staging rows it held go to no later job: a
+        daemon_wait_s, but the staging rows it held go to no later job: a
         store queued behind it fails instead of copying its rows there,
         where the resumed daemon would read them as the first store's."""
         region = random_region(seed=27)
         fresh = self.tier(random_region(seed=28), zero_copy="off")
-        t = self.tier(region, zero_copy="off", threads=1, staging_bytes=2 * ROW, job_timeout_s=0.1)
+        t = self.tier(region, zero_copy="off", threads=1, staging_bytes=2 * ROW, job_timeout_s=0.1,
+                      daemon_wait_s=0.5)
         first, second = keys(2, "given-up"), keys(2, "queued")
-        real_release = t._release
+        client = t._s.client
+        real_close = client.close
 
-        def release():  # the daemon resumes before the connection goes, and runs what it read
+        def close():  # the daemon resumes before the connection goes, and runs what it read
+            if not client.connected():
+                return real_close()
             self.daemon.thaw()
             d.wait_for(lambda: all(self.lookup_settled(fresh, k)[-1] == S.LookupResult.HIT for k in first),
                        what="the resumed daemon to store the given-up job's keys")
-            real_release()
-        t._release = release
+            real_close()
+        client.close = close
         self.daemon.freeze()
         done = threading.Event()
         try:

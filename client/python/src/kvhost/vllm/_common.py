@@ -14,6 +14,8 @@ import importlib.util
 import inspect
 import logging
 import os
+import socket as _socket
+import struct
 import threading
 import time
 import typing
@@ -119,6 +121,59 @@ def check_seconds(o, keys):
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0 (finite), got {v!r}")
 
 
+# The default bound on any wait of a vLLM call on the daemon (option
+# "daemon_wait_s"): well under vLLM's own limits on a step and a stop
+# (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s, on a worker's step;
+# VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s, on the engine core's and the
+# workers' exit), and long enough for a healthy daemon's jobs to end.
+DAEMON_WAIT_S = 2.0
+
+
+def check_daemon_wait(o):
+    """Raises ValueError unless o's daemon_wait_s is a finite number of
+    seconds > 0: the bound on any wait of a vLLM call on the daemon."""
+    t = o["daemon_wait_s"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
+        raise ValueError(f"kvhost.vllm: daemon_wait_s: want seconds > 0 (finite), got {t!r}")
+
+
+def setup_timeout(o):
+    """The timeout of a connection's handshake and set-up requests (made
+    in a vLLM call at start): request_timeout_s, but no more than
+    daemon_wait_s."""
+    return min(o["request_timeout_s"], o["daemon_wait_s"])
+
+
+def daemon_pid(client):
+    """The pid of the daemon at the other end of client's socket
+    (SO_PEERCRED: the process that made the listening socket), None where
+    it cannot be read."""
+    sock = getattr(client, "_sock", None)
+    if sock is None:
+        return None
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED,
+                                                        struct.calcsize("3i")))
+    except OSError:
+        return None
+    return pid if pid > 0 else None
+
+
+def process_gone(pid):
+    """Whether process pid is known to have ended (None: unknown, so not
+    known gone). A pid reused by another process reads as alive: the
+    caller keeps waiting, which is the safe side."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists, as another user's process
+        return False
+    return False
+
+
 def check_request_timeout(o):
     """Raises ValueError unless o's request_timeout_s is a finite number of
     seconds > 0, as Client's timeout takes it."""
@@ -209,6 +264,15 @@ def absent_if_stopping(e, socket, hint=""):
     Returns otherwise."""
     if isinstance(e, KvhostError) and e.code == _SHUTTING_DOWN:
         raise DaemonAbsent(f"kvhost.vllm: the kvhost daemon at {socket} is shutting down: {e}{hint}") from e
+
+
+def absent_if_late(e, socket, hint=""):
+    """Raises DaemonAbsent from e where e is a set-up request's timeout
+    (TimeoutError) or the connection lost under it: a daemon frozen or
+    stuck in I/O right after the handshake is waited for as one that does
+    not answer, not a configuration error. Returns otherwise."""
+    if isinstance(e, (TimeoutError, ConnectionLost)):
+        raise DaemonAbsent(f"kvhost.vllm: the kvhost daemon at {socket} did not answer in time: {e}{hint}") from e
 
 
 def open_client(socket, name, timeout, hint=""):
@@ -393,9 +457,13 @@ class Reconnects:
         running, whose memory must not be used again before they end."""
         (conn[0] if isinstance(conn, tuple) else conn).close_after_jobs()
 
-    def _join_reconnectors(self):
-        """Waits for the reconnect threads (after _closing was set)."""
+    def _join_reconnectors(self, until=None):
+        """Waits for the reconnect threads (after _closing was set), until
+        until (monotonic; None: as long as they take) and a fifth of a second more:
+        a try under way ends once its handshake's or a set-up request's
+        timeout (daemon_wait_s) passes, and a connection it makes after
+        _closing is dropped (_swap_in)."""
         with self._cv:
             threads = list(self._reconnectors)
         for t in threads:
-            t.join()
+            t.join(None if until is None else max(0.0, until - time.monotonic()) + 0.2)

@@ -30,9 +30,10 @@ from .. import protocol as p
 from ..client import KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
-from ._common import (DaemonAbsent, Reconnects, absent_if_stopping, check_request_timeout, check_seconds, daemon_key as _daemon_key,
-                      has_field, lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options,
-                      open_client, open_mapped as _open_mapped, pick_medium as _pick_medium, reason, wait_ended)
+from ._common import (DAEMON_WAIT_S, DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, check_daemon_wait,
+                      check_request_timeout, check_seconds, daemon_key as _daemon_key, has_field,
+                      lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options, open_client,
+                      open_mapped as _open_mapped, pick_medium as _pick_medium, reason, setup_timeout, wait_ended)
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
 # stops it propagating), so messages logged here appear in vLLM's own output.
@@ -53,6 +54,7 @@ _OWN_KEYS = {
     "vllm_fs": False,
     "reconnect_s": 1.0,
     "request_timeout_s": 30.0,
+    "daemon_wait_s": DAEMON_WAIT_S,  # the longest any vLLM call (start, drain_jobs, shutdown) waits on the daemon
     "page_layout": None,   # the GPU workers' page byte order (_namespace.page_layout), where not the default's
     "cp_kv_cache_interleave_size": None,  # with context parallelism: the engine's interleave (_cp_interleave)
 }
@@ -114,6 +116,7 @@ def _options(own):
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
     check_seconds(o, ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"))
     check_request_timeout(o)
+    check_daemon_wait(o)
     return o
 
 
@@ -139,6 +142,130 @@ class _Session:
                     log.debug("kvhost tier: unregister: %s", e)
         self.cache = self.region = None
 
+
+class _Run:
+    """A job vLLM submitted, from submit_* until its thread has ended it.
+    started: its thread is past the point where it may touch vLLM's rows
+    or the daemon (False: still queued). zero_copy: the daemon moves vLLM's
+    rows themselves (not staging slots). given_up: drain_jobs reported it
+    to vLLM (failed) before the daemon ended it; its thread ends it
+    without reporting it again, and sends no more of it."""
+
+    __slots__ = ("job_id", "keys", "rows", "load", "started", "zero_copy", "given_up")
+
+    def __init__(self, job_id, keys, rows, load):
+        self.job_id, self.keys, self.rows, self.load = job_id, keys, rows, load
+        self.started = self.zero_copy = self.given_up = False
+
+
+class _HeldRows:
+    """vLLM's primary rows that jobs drain_jobs gave up on may still have
+    the daemon read or write (zero-copy), kept out of vLLM's reuse until
+    the daemon ends those jobs.
+
+    vLLM's TieringOffloadingManager.reset_cache, the one caller of
+    drain_jobs, reports every job finished and then clears its primary
+    tier (CPUOffloadingManager.reset_cache: every row free). Right after
+    that clear (hook()), the rows still held are allocated to this tier
+    through the primary tier's own prepare_store, under keys of its own
+    that no lookup asks for: a fresh primary hands out rows 0, 1, 2, ...
+    in order, so the rows below the highest held one are taken, and those
+    not held are given back at once (complete_store, failed). A held row
+    stays a store in flight (vLLM's ref_cnt -1: never evicted, never
+    handed out) until release() gives it back, on the scheduler's thread
+    (get_finished_jobs), once the daemon ended its jobs. Every call on
+    vLLM's manager happens on the scheduler's thread; the tier's threads
+    only change the counts here, under the tier's lock."""
+
+    def __init__(self):
+        self.count = collections.Counter()  # row -> given-up jobs still running on it
+        self.pinned = {}                    # row -> the key it is allocated under in vLLM's primary tier
+        self.freed = []                     # keys of rows no job holds any more, to give back
+        self.primary = None                 # vLLM's primary tier, once hooked
+        self.resets = 0                     # primary resets seen (names the keys of each)
+
+    def hold_locked(self, rows):
+        self.count.update(rows)
+
+    def end_locked(self, rows):
+        """rows' given-up job ended: a row no other one holds is given back."""
+        for r in rows:
+            self.count[r] -= 1
+            if self.count[r] <= 0:
+                del self.count[r]
+                k = self.pinned.pop(r, None)
+                if k is not None:
+                    self.freed.append(k)
+
+    def find_primary(self, spec, view):
+        """vLLM's primary tier (CPUPrimaryTierOffloadingManager) over view,
+        reached through the spec that built this tier; None where this vLLM
+        has none with the calls hook() needs."""
+        m = getattr(getattr(spec, "_manager", None), "primary_tier", None)
+        get_view = getattr(m, "get_kv_memoryview", None)
+        if get_view is None or not all(callable(getattr(m, n, None))
+                                       for n in ("reset_cache", "prepare_store", "complete_store")):
+            return None
+        try:
+            return m if get_view() is view else None
+        except Exception:  # noqa: BLE001 - an unknown primary is none to hook
+            return None
+
+    def hook(self, primary, lock, cv):
+        """Wraps primary.reset_cache (once) so that the rows held are
+        allocated right after each clear; False where the allocation did
+        not take every held row (a primary that allocates otherwise): the
+        wrapper then waits for the jobs still on such rows before vLLM
+        goes on (the unbounded wait of before, logged)."""
+        if self.primary is primary:
+            return
+        self.primary = primary
+        reset = primary.reset_cache
+        held = self
+
+        def reset_cache(*args, **kwargs):
+            reset(*args, **kwargs)
+            held.after_reset(lock, cv)
+        primary.reset_cache = reset_cache
+
+    def after_reset(self, lock, cv):
+        primary = self.primary
+        with lock:
+            self.pinned.clear()  # the clear dropped them
+            self.freed = []
+            rows = set(self.count)
+            self.resets += 1
+            gen = self.resets
+        if not rows:
+            return
+        n = max(rows) + 1
+        keys = [b"\xffkvhost-held-row:%d:%d" % (gen, i) for i in range(n)]
+        out = primary.prepare_store(keys, None)
+        ids = [] if out is None else [int(b) for b in out.store_spec.block_ids]
+        got = dict(zip(ids, out.keys_to_store)) if out is not None else {}
+        with lock:
+            keep = {r: got[r] for r in self.count if r in got}
+            self.pinned.update(keep)
+            give = [k for r, k in got.items() if r not in keep]
+            missing = set(self.count) - set(keep)
+        if give:
+            primary.complete_store(give, None, False)
+        if missing:
+            log.error("kvhost tier: vLLM's primary tier did not hand out rows %s after its reset; waiting for "
+                      "the daemon to end the jobs on them before vLLM reuses them", sorted(missing)[:8])
+            with cv:
+                while set(self.count) & missing:
+                    cv.wait()
+        log.warning("kvhost tier: %d rows of vLLM's CPU region held out of reuse until the daemon ends the "
+                    "jobs given up on them", len(keep))
+
+    def release(self, lock):
+        """Gives back to vLLM's primary tier the rows no given-up job holds
+        any more (on the scheduler's thread)."""
+        with lock:
+            keys, self.freed = self.freed, []
+        if keys and self.primary is not None:
+            self.primary.complete_store(keys, None, False)
 
 
 def _cp_interleave(config, o):
@@ -279,6 +406,8 @@ class _TierImpl(Reconnects):
         self._storing = collections.Counter()
         self._inflight = 0
         self._finished = []
+        self._runs = {}            # job id -> _Run, from submit until its thread ends it
+        self._held = _HeldRows()   # vLLM's rows given-up jobs may still touch (drain_jobs)
         self._events = collections.deque()
         self._stats = collections.Counter()
         self._reported = collections.Counter()
@@ -339,7 +468,9 @@ class _TierImpl(Reconnects):
         the data path's memory (on the first connection choosing the data
         path, later the same one again). Nothing of it stays on failure."""
         o = self._opts
-        client = open_client(o["socket"], o["client_name"], o["request_timeout_s"],
+        # The handshake and the set-up requests wait daemon_wait_s at most
+        # (a start runs in vLLM's call), later requests request_timeout_s.
+        client = open_client(o["socket"], o["client_name"], setup_timeout(o),
                              " (set the tier's \"socket\" key or KVHOST_SOCKET)")
         s = _Session(client)
         try:
@@ -357,9 +488,11 @@ class _TierImpl(Reconnects):
                 self._register_primary_again(s)
             else:
                 self._register_staging(s)
+            client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             s.client.close()  # it ran no job: what it holds on the daemon goes with the connection
             absent_if_stopping(e, o["socket"])
+            absent_if_late(e, o["socket"])
             raise
         return s
 
@@ -638,37 +771,50 @@ class _TierImpl(Reconnects):
         if bad:
             raise ValueError(f"kvhost.vllm: job {job.job_id}: block id {bad[0]} outside the primary "
                              f"region's {self._num_rows} rows")
+        run = _Run(job.job_id, keys, rows, load)
         with self._cv:
             if self._closing:
                 raise RuntimeError("kvhost.vllm: the tier is shut down")
             self._inflight += 1
+            self._runs[job.job_id] = run
             self._stats["load_jobs" if load else "store_jobs"] += 1
             if not load:
                 self._storing.update(keys)
-        self._pool.submit(self._run, job.job_id, keys, rows, load)
+        self._pool.submit(self._run, run)
 
-    def _run(self, job_id, keys, rows, load):
+    def _run(self, run):
         t0 = time.monotonic()
+        keys, load = run.keys, run.load
         outcomes = [p.OUTCOME_FAILED] * len(keys)
         with self._lock:
             s, down = self._s, self._broken
             over = self._give_up_at is not None and time.monotonic() >= self._give_up_at
+            if run.given_up:  # reported by drain_jobs before it began: nothing touched
+                self._runs.pop(run.job_id, None)
+                self._cv.notify_all()
+                return
+            run.started = True
+            run.zero_copy = s is not None and not s.staged
         if down is None and not over:  # else no daemon, or shutdown gave up: the job fails at once
             try:
-                self._move(s, keys, rows, load, outcomes)
+                self._move(s, run, outcomes)
             except Exception as e:
                 with self._lock:
                     self._stats["job_errors"] += 1
                 if _lost_connection(e, s.client):
                     self._lost(s, e)
-                else:
-                    log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", job_id, e)
-        self._finish(job_id, keys, outcomes, load, time.monotonic() - t0, s)
+                elif not run.given_up:
+                    log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", run.job_id, e)
+        self._finish(run, outcomes, time.monotonic() - t0, s)
 
-    def _move(self, s, keys, rows, load, outcomes):
-        """Moves the job's rows on session s, filling outcomes."""
+    def _move(self, s, run, outcomes):
+        """Moves the job's rows on session s, filling outcomes. A job
+        drain_jobs gave up on sends no more daemon jobs."""
+        keys, rows, load = run.keys, run.rows, run.load
         if not s.staged:
             for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
+                if run.given_up:
+                    return
                 sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
                 outcomes[sl] = self._transfer(s, keys[sl], rows[sl], load)
             return
@@ -680,8 +826,10 @@ class _TierImpl(Reconnects):
         free = got  # the job ended (done, refused, connection closed): its slots are free
         try:
             for i in range(0, len(keys), per):
+                if run.given_up:
+                    return
                 sl = slice(i, i + per)
-                outcomes[sl] = self._staged(s, keys[sl], rows[sl], base, load)
+                outcomes[sl] = self._staged(s, run, keys[sl], rows[sl], base)
         except TimeoutError:
             # Given up at shutdown: the daemon may still write these slots,
             # so no later job gets them; the jobs waiting for slots fail.
@@ -707,25 +855,39 @@ class _TierImpl(Reconnects):
         slot it held is used again)."""
         return wait_ended(job, self._opts["job_timeout_s"] or None, lambda: self._give_up_at, "tier")
 
-    def _staged(self, session, keys, rows, base, load):
-        np = self._np
+    def _staged(self, session, run, keys, rows, base):
+        """One batch of run through the staging slots from base: the copies
+        between vLLM's rows and the slots are made under the tier's lock,
+        and not once drain_jobs gave the job up (vLLM may reuse its rows
+        from then on; the daemon only touches the slots, which no other
+        job gets before it ends the job)."""
+        np, load = self._np, run.load
         st, pr = self._staging_rows, self._primary
         slots = list(range(base, base + len(keys)))
         if not load:
-            for s, r in zip(slots, rows):
-                np.copyto(st[s], pr[r])
+            with self._lock:
+                if run.given_up:
+                    return [p.OUTCOME_FAILED] * len(keys)
+                for s, r in zip(slots, rows):
+                    np.copyto(st[s], pr[r])
         out = self._transfer(session, keys, slots, load)
         if load:
-            for s, r, o in zip(slots, rows, out):
-                if o == p.OUTCOME_LOADED:
-                    np.copyto(pr[r], st[s])
+            with self._lock:
+                if run.given_up:
+                    return [p.OUTCOME_FAILED] * len(keys)
+                for s, r, o in zip(slots, rows, out):
+                    if o == p.OUTCOME_LOADED:
+                        np.copyto(pr[r], st[s])
         return out
 
-    def _finish(self, job_id, keys, outcomes, load, seconds, session):
+    def _finish(self, run, outcomes, seconds, session):
         """Reports the job (get_finished_jobs, events, counters). The keys
         it stored answer HIT for lookup_ttl_s where session, the
         connection it ran on, is still the one in use: stored on a daemon
-        since replaced, they are asked of the new one."""
+        since replaced, they are asked of the new one. A job drain_jobs
+        gave up on was reported then: its end only gives back the rows
+        held for it."""
+        job_id, keys, load = run.job_id, run.keys, run.load
         api = self._api
         now = time.monotonic()
         expiry = now + self._opts["lookup_ttl_s"]
@@ -746,6 +908,13 @@ class _TierImpl(Reconnects):
         c = collections.Counter(outcomes)
         with self._cv:
             s = self._stats
+            if run.given_up:  # reported by drain_jobs; the rows held for it go back
+                self._runs.pop(job_id, None)
+                if run.zero_copy:
+                    self._held.end_locked(run.rows)
+                s["given_up_jobs_ended"] += 1
+                self._cv.notify_all()
+                return
             if load:
                 s["load_keys"] += len(keys)
                 s["loaded_keys"] += c[p.OUTCOME_LOADED]
@@ -777,20 +946,80 @@ class _TierImpl(Reconnects):
                     s["events_dropped"] += 1
                 self._events.append(ev)
             self._finished.append(result)
+            self._runs.pop(job_id, None)
             self._inflight -= 1
             self._cv.notify_all()
 
     def get_finished_jobs(self):
-        """Jobs completed since the last call (JobResult with successful_keys)."""
+        """Jobs completed since the last call (JobResult with successful_keys).
+        Gives back to vLLM the rows held for given-up jobs the daemon has
+        ended since."""
+        self._held.release(self._lock)
         with self._lock:
             out, self._finished = self._finished, []
         return out
 
     def drain_jobs(self):
-        """Blocks until every submitted job has completed."""
+        """Waits until every submitted job has completed, daemon_wait_s at
+        most. A job the daemon has not ended by then is given up: reported
+        failed (a store's keys are not stored, a promotion's rows are not
+        loaded), its thread sends no more of it, and what the daemon may
+        still touch is kept from vLLM's reuse until the daemon ends it or
+        its connection ends (the daemon closes one only after ending its
+        jobs, or dying): staging slots by the tier, vLLM's rows (zero-copy)
+        as _HeldRows says. Where vLLM's primary tier cannot be reached to
+        hold them, it waits as long as the daemon takes (logged)."""
+        bound = self._opts["daemon_wait_s"]
+        t0 = time.monotonic()
         with self._cv:
-            while self._inflight:
-                self._cv.wait()
+            while self._inflight and (left := t0 + bound - time.monotonic()) > 0:
+                self._cv.wait(left)
+            if not self._inflight:
+                return
+            runs = [r for r in self._runs.values() if not r.given_up]
+            primary = None
+            if any(r.started and r.zero_copy for r in runs):
+                primary = self._held.find_primary(self._spec, self._view)
+                if primary is None:
+                    log.error("kvhost tier: %d jobs not ended by the daemon after %gs, and vLLM's primary tier "
+                              "cannot be reached to keep their rows from reuse: waiting for the daemon",
+                              len(runs), bound)
+                    while self._inflight:
+                        self._cv.wait()
+                    return
+            held = 0
+            for r in runs:
+                r.given_up = True
+                if r.started and r.zero_copy:
+                    self._held.hold_locked(r.rows)
+                    held += len(r.rows)
+                self._give_up_locked(r)
+            self._cv.notify_all()
+        if primary is not None:
+            self._held.hook(primary, self._lock, self._cv)
+        log.warning("kvhost tier: drain_jobs gave up after %gs on %d jobs the daemon has not ended (%d of vLLM's "
+                    "rows held out of reuse until it does); reported failed", bound, len(runs), held)
+
+    def _give_up_locked(self, run):
+        """Reports run to vLLM as failed, now (drain_jobs)."""
+        result = self._api.JobResult(job_id=run.job_id, success=False, successful_keys=[])
+        if hasattr(result, "transfer_time"):
+            result.transfer_time = 0.0
+        s = self._stats
+        s["given_up_jobs"] += 1
+        s["failed_load_jobs" if run.load else "failed_store_jobs"] += 1
+        if run.load:
+            s["load_keys"] += len(run.keys)
+            s["load_failed_keys"] += len(run.keys)
+        else:
+            self._storing.subtract(run.keys)
+            for k in run.keys:
+                if self._storing[k] <= 0:
+                    del self._storing[k]
+            s["store_keys"] += len(run.keys)
+            s["store_failed_keys"] += len(run.keys)
+        self._finished.append(result)
+        self._inflight -= 1
 
     def has_pending_work(self):
         """True while jobs run, results wait to be collected or lookups are pending."""
@@ -864,22 +1093,29 @@ class _TierImpl(Reconnects):
         return s.client.stats()
 
     def shutdown(self):
-        """Waits for jobs (job_timeout_s in all, about: a job that was
-        waiting one job_timeout_s step when shutdown began finishes it; 0
-        waits for every job to end), then releases the daemon connection,
-        registrations and staging memory. Idempotent."""
+        """Waits for jobs daemon_wait_s at most, then releases the daemon
+        connection, registrations and staging memory; returns within about
+        daemon_wait_s however the daemon fares. A job the daemon has not
+        ended by then is given up: the memory it may still touch goes with
+        the process, which is ending. Idempotent."""
         with self._cv:
             if self._closed:
                 return
-            limit = self._opts["job_timeout_s"]
-            self._give_up_at = time.monotonic() + limit if limit else None  # 0: wait for every job
+            until = time.monotonic() + self._opts["daemon_wait_s"]
+            self._give_up_at = until
             self._closed = True
-        self._pool.shutdown(wait=True)
-        with self._cv:
+            while self._runs and (left := until - time.monotonic()) > 0:
+                self._cv.wait(left)
             self._closing = True
             self._cv.notify_all()
-        self._lookup_thread.join()
-        self._join_reconnectors()
+            s = self._s
+        if s is not None:
+            # Ends at once what still waits on the daemon: a lookup, a
+            # cancel (each waits request_timeout_s otherwise).
+            s.client.close()
+        self._pool.shutdown(wait=False)
+        self._lookup_thread.join(max(0.0, until - time.monotonic()) + 0.2)
+        self._join_reconnectors(until)
         self._release()
 
     def _release(self):

@@ -1,0 +1,159 @@
+"""Bounded waits on a frozen daemon inside vLLM's own code (issue 86, K1
+and K3): vLLM's TieringOffloadingManager with KvhostTier, its
+reset_cache (reset_prefix_cache's path: OffloadingConnector.reset_cache
+-> OffloadingConnectorScheduler.reset_cache -> this) with the daemon
+stopped (SIGSTOP) under store and promotion jobs, then resumed: the call
+returns within daemon_wait_s, and no byte the resumed daemon writes lands
+in a row vLLM handed out again (checked by content). Start and shutdown
+with a frozen daemon return within the bound too.
+
+Each call's duration is printed ("kvhost-timing: ...") for the record;
+the tests assert only that it is within the bound (plus a scheduling
+margin on this shared machine).
+
+Needs a vLLM source tree: `make test-vllm VLLM_SRC=DIR`.
+"""
+
+import sys
+import time
+import unittest
+
+import numpy as np
+
+import daemon as d
+from test_vllm_real_tier import NO_TREE, RealTieringCase, key
+
+BOUND = 0.5     # daemon_wait_s in these tests
+MARGIN = 1.0    # scheduling slack on a loaded 2-core machine: not part of the claim
+BLOCKS = 16
+
+
+def timed(what, fn):
+    """fn()'s value and its duration, printed for the record."""
+    t0 = time.monotonic()
+    out = fn()
+    took = time.monotonic() - t0
+    print(f"kvhost-timing: {what}: {took * 1000:.1f} ms", file=sys.stderr)
+    return out, took
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class FrozenDaemonUnderTheTier(RealTieringCase):
+    """Each engine on a daemon of its own, frozen and thawed by the test."""
+
+    PATHS = ("on", "off")  # zero-copy (vLLM's /dev/shm region), and the copy through a memfd
+
+    def own_daemon(self):
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        return dm
+
+    def engine_on(self, dm, zero_copy, **tier):
+        opts = {"socket": dm.socket, "reconnect_s": 0.05, "zero_copy": zero_copy, "daemon_wait_s": BOUND,
+                "lookup_ttl_s": 60.0}
+        opts.update(tier)
+        h = self.engine(tier=opts, blocks=BLOCKS)
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        return h, m, ctx, m.secondary_tiers[0]
+
+    def test_reset_cache_returns_within_the_bound_and_no_late_byte_lands_in_a_reused_row(self):
+        R = self.api.LookupResult
+        for zc in self.PATHS:
+            with self.subTest(zero_copy=zc):
+                dm = self.own_daemon()
+                h, m, ctx, tier = self.engine_on(dm, zc)
+                self.assertEqual(tier.data_path, "zero-copy" if zc == "on" else "copy")
+                promo = [key(i, f"frozen-promo-{zc}") for i in range(3)]
+                want_promo = self.offload(h, promo, ctx, seed=1)
+                m.reset_cache()  # the daemon answers: the promotions below come from kvhost
+                d.wait_for(lambda: all(tier.lookup(k, ctx) == R.HIT for k in promo), what="the tier's HITs")
+                cascade = [key(i, f"frozen-cascade-{zc}") for i in range(4)]
+                dm.freeze()
+                try:
+                    # A promotion (the daemon writes vLLM's rows) and a
+                    # cascade (it reads them) in flight on the frozen daemon.
+                    self.assertEqual([m.lookup(k, ctx) for k in promo], [R.HIT_PENDING] * 3)
+                    self.step(m)  # vLLM submits the promotion
+                    out = m.prepare_store(cascade, ctx)
+                    rows = self.rows(h)
+                    want_cascade = np.random.default_rng(2).integers(0, 256, size=(4, rows.shape[1]), dtype=np.uint8)
+                    for i, b in enumerate(out.store_spec.block_ids):
+                        rows[int(b)] = want_cascade[i]
+                    m.complete_store(cascade, ctx)
+                    d.wait_for(lambda: len(tier._runs) == 2 and all(r.started for r in tier._runs.values()),
+                               what="the promotion and the cascade sent to the frozen daemon")
+                    job_rows = {r.load: list(r.rows) for r in tier._runs.values()}
+                    _, took = timed(f"reset_cache, frozen daemon, zero_copy={zc}", m.reset_cache)
+                    self.assertLess(took, BOUND + MARGIN, "reset_cache waited on the frozen daemon")
+                    self.assertEqual(tier.counters()["given_up_jobs"], 2)
+                    held = set(job_rows[True] + job_rows[False]) if zc == "on" else set()
+                    # vLLM reuses every row it can: each gets a pattern of its own.
+                    reuse = [key(i, f"frozen-reuse-{zc}") for i in range(BLOCKS - len(held))]
+                    got = m.prepare_store(reuse, ctx)
+                    self.assertIsNotNone(got, "rows not held were kept from vLLM")
+                    reused = [int(b) for b in got.store_spec.block_ids]
+                    self.assertEqual(set(reused) & held, set(), "a held row was handed out again")
+                    self.assertIsNone(m.prepare_store([key(99, f"frozen-one-more-{zc}")], ctx),
+                                      "vLLM had a row beyond those: a held row is free")
+                    pattern = {b: np.full(rows.shape[1], (0x5A + 7 * b) & 0xFF, dtype=np.uint8) for b in reused}
+                    for b in reused:
+                        rows[b] = pattern[b]
+                finally:
+                    dm.thaw()
+                d.wait_for(lambda: tier.counters().get("given_up_jobs_ended", 0) == 2,
+                           what="the resumed daemon to end the given-up jobs")
+                for b in reused:
+                    np.testing.assert_array_equal(rows[b], pattern[b], f"the resumed daemon wrote reused row {b}")
+                if zc == "on":  # the late promotion landed, in the rows held for it
+                    np.testing.assert_array_equal(np.stack([rows[b] for b in job_rows[True]]), want_promo)
+                del rows
+                # Once the daemon ended them, the held rows go back to vLLM.
+                m.complete_store(reuse, ctx, False)
+                self.step(m)
+                self.assertIsNotNone(m.prepare_store([key(i, f"frozen-all-{zc}") for i in range(BLOCKS)], ctx),
+                                     "rows still held after the daemon ended their jobs")
+                h.manager.complete_store([key(i, f"frozen-all-{zc}") for i in range(BLOCKS)], ctx, False)
+                # The given-up cascade, finished by the resumed daemon, holds
+                # its own bytes; the promotion's keys promote byte for byte.
+                m.reset_cache()
+                np.testing.assert_array_equal(self.promote_and_read(h, cascade, ctx), want_cascade)
+                np.testing.assert_array_equal(self.promote_and_read(h, promo, ctx), want_promo)
+
+    def test_start_with_a_frozen_daemon_returns_within_the_bound_then_connects_once_it_resumes(self):
+        R = self.api.LookupResult
+        for zc in self.PATHS:
+            with self.subTest(zero_copy=zc):
+                dm = self.own_daemon()
+                dm.freeze()
+                try:
+                    (h, m, ctx, tier), took = timed(f"tier start, frozen daemon, zero_copy={zc}",
+                                                    lambda: self.engine_on(dm, zc))
+                    self.assertLess(took, BOUND + MARGIN, "start waited on the frozen daemon")
+                    self.assertFalse(tier.counters()["connected"])
+                    self.assertEqual(m.lookup(key(0, f"frozen-start-{zc}"), ctx), R.MISS)
+                finally:
+                    dm.thaw()
+                d.wait_for(lambda: tier.counters()["connected"], what="the tier to connect once the daemon resumes")
+                self.assert_round_trip(h, [key(i, f"frozen-start-{zc}") for i in range(2)], ctx, seed=3)
+
+    def test_shutdown_with_a_frozen_daemon_returns_within_the_bound(self):
+        for zc in self.PATHS:
+            with self.subTest(zero_copy=zc):
+                dm = self.own_daemon()
+                h, m, ctx, tier = self.engine_on(dm, zc)
+                ks = [key(i, f"frozen-stop-{zc}") for i in range(4)]
+                m.prepare_store(ks, ctx)
+                dm.freeze()
+                try:
+                    m.complete_store(ks, ctx)  # a cascade the daemon never answers
+                    d.wait_for(lambda: tier.counters()["inflight_jobs"] == 1, what="the store in flight")
+                    self.handles.remove(h)
+                    _, took = timed(f"shutdown, frozen daemon, zero_copy={zc}", h.close)
+                    self.assertLess(took, BOUND + MARGIN, "shutdown waited on the frozen daemon")
+                finally:
+                    dm.thaw()
+
+
+if __name__ == "__main__":
+    unittest.main()
