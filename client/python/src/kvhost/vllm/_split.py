@@ -15,7 +15,12 @@ the T - K tokens after K cached ones has a linear term and a quadratic
 (attention) term, so the later tokens are the dear ones::
 
     load(n)       = n * bytes_per_token / rate + latency      (0 for n = 0)
-    compute(T, K) = fixed + a * (T - K) + b * (T^2 - K^2) / 2
+    compute(T, K) = s * (fixed + a * (T - K) + b * (T^2 - K^2) / 2)
+
+The rate is learned from the loads the workers time (observe_load); the
+prefill model's shape (fixed, a, b) is configured and its scale s learned
+from the forward passes the workers time (observe_compute), so that a
+GPU faster or slower than the configured one moves the split.
 
 Pure Python, no I/O: the connector's scheduler calls ``CostModel.split``
 for every prompt (a few bisection steps, no loop over the prompt).
@@ -32,9 +37,16 @@ class CostModel:
     layer); load_gbps: the load rate in GB/s (1e9 bytes), updated by
     observe_load (an EWMA of measured jobs, weight alpha); load_latency_s:
     a load's fixed cost; prefill_s_per_token (a), prefill_s_per_token2 (b)
-    and prefill_fixed_s: the prefill model. min_gain: a shorter prefix is
-    claimed only where it saves more than this fraction of the TTFT (the
-    tokens recomputed cost the GPU's time for other requests too)."""
+    and prefill_fixed_s: the prefill model, scaled by prefill_scale
+    (1 at first), which observe_compute learns (an EWMA of measured
+    forward passes, weight alpha). min_gain: a shorter prefix is claimed
+    only where it saves more than this fraction of the TTFT (the tokens
+    recomputed cost the GPU's time for other requests too)."""
+
+    # A forward pass the model prices below this is not taken into the
+    # scale: decode steps and small chunks cost what the model's prefill
+    # terms do not describe (weights read per step, launches).
+    MIN_OBSERVED_S = 0.005
 
     def __init__(self, bytes_per_token, load_gbps, load_latency_s=0.0, prefill_s_per_token=2.0e-5,
                  prefill_s_per_token2=1.0e-9, prefill_fixed_s=0.0, min_gain=0.05, alpha=0.2):
@@ -56,6 +68,8 @@ class CostModel:
         self.alpha = float(alpha)
         self._lock = threading.Lock()
         self.observed = 0  # load measurements taken into the rate
+        self._scale = 1.0  # measured over modelled prefill time
+        self.compute_observed = 0  # forward passes taken into the scale
 
     @property
     def load_gbps(self):
@@ -71,6 +85,37 @@ class CostModel:
             self._rate += self.alpha * (nbytes / seconds - self._rate)
             self.observed += 1
 
+    @property
+    def prefill_scale(self):
+        """The measured prefill time over the configured model's, as the
+        split uses it now (1 until a forward pass was observed)."""
+        return self._scale
+
+    def observe_compute(self, work, seconds):
+        """Takes a measured forward pass into the prefill scale: seconds
+        spent computing (waits for loads left out) for work, the pass's
+        requests as (total, cached) pairs (it computed tokens cached..total
+        of each). An EWMA of weight alpha of measured over modelled; a pass
+        the model prices under MIN_OBSERVED_S is ignored. Returns whether
+        the pass was taken."""
+        modelled = self._modelled(work)
+        if seconds <= 0 or modelled < self.MIN_OBSERVED_S:
+            return False
+        with self._lock:
+            self._scale += self.alpha * (seconds / modelled - self._scale)
+            self.compute_observed += 1
+        return True
+
+    def _modelled(self, work):
+        """The configured model's seconds for work (unscaled): one fixed
+        cost per pass, the terms of every request."""
+        t = 0.0
+        for total, cached in work:
+            n = total - cached
+            if n > 0:
+                t += self.a * n + self.b * (float(total) * total - float(cached) * cached) / 2.0
+        return t + self.fixed if t > 0 else 0.0
+
     def load_s(self, tokens):
         """Seconds to load tokens tokens (0 for none)."""
         if tokens <= 0:
@@ -82,7 +127,7 @@ class CostModel:
         n = total - cached
         if n <= 0:
             return 0.0
-        return self.fixed + self.a * n + self.b * (total * total - cached * cached) / 2.0
+        return self._scale * (self.fixed + self.a * n + self.b * (total * total - cached * cached) / 2.0)
 
     def ttft_s(self, total, computed, k):
         """The modelled time to first token when k tokens are cached after
@@ -103,7 +148,8 @@ class CostModel:
         if hi < lo:
             return computed
         per, lat = self.bytes_per_token / self._rate, self.load_latency_s
-        a, half_b, fixed, t2 = self.a, self.b / 2.0, self.fixed, float(total) * total
+        s = self._scale
+        a, half_b, fixed, t2 = s * self.a, s * self.b / 2.0, s * self.fixed, float(total) * total
 
         def ttft(m):  # m boundaries of chunk tokens cached: max(load, compute)
             k = m * chunk
