@@ -305,6 +305,129 @@ def _connect(sock, path, timeout):
                 raise
 
 
+@dataclasses.dataclass(frozen=True)
+class Removal:
+    """One key that left the daemon, or changed mount (reason "moved": it
+    is still stored, on mount `to`). reason is one of "evicted",
+    "cluster-evicted", "deleted", "purged", "corrupt", "vanished" (removed
+    behind the daemon's back: another node on a shared mount), "moved";
+    mount is the mount it left (stats()'s mount index), to the mount it
+    is on now for a move (else None); time_ns when the daemon recorded it
+    (time.time_ns()'s clock)."""
+    seq: int
+    fingerprint: int
+    key: bytes
+    reason: str
+    mount: int
+    to: object
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RemovalBatch:
+    """What a removal subscription delivers: removals in sequence order,
+    or a resync (resync True, removals empty): removals were lost to the
+    subscription, and every key of its namespaces may have been removed
+    (vLLM's AllBlocksCleared: learn them again by lookups). cursor is
+    (epoch, last): where to subscribe again from after this batch."""
+    resync: bool
+    removals: tuple
+    cursor: tuple
+
+
+class RemovalSubscription:
+    """A removal stream of a Client (Client.subscribe_removals): the
+    daemon pushes batches, which get() returns in order, or which the
+    callback given to subscribe_removals is called with, on a thread of
+    the subscription's own. Its queue is bounded (max_batches): a reader
+    that falls further behind gets one resync in place of the batches it
+    missed, as it does when it falls behind the daemon's ring. Safe to use
+    from any thread."""
+
+    def __init__(self, client, sub_id, epoch, last, max_batches):
+        self._client, self.id, self._epoch = client, sub_id, epoch
+        self.subscribed = (epoch, last)  # the daemon's epoch and last sequence number then
+        self._cursor = (epoch, last)
+        self._cond = threading.Condition()
+        self._queue = []
+        self._max = max_batches
+        self._lost = None  # the last of the batches dropped for a resync, or None
+        self._error = None  # ConnectionLost once the connection or the subscription ended
+
+    def _push(self, resync, last, records):
+        """Queues a batch (the reader's thread): never waits."""
+        with self._cond:
+            if self._error is not None:
+                return
+            if self._lost is not None:
+                self._lost = last
+            elif len(self._queue) >= self._max:
+                self._queue, self._lost = [], last
+            else:
+                rs = tuple(Removal(seq, fp, key, p.REMOVAL_REASONS.get(reason, f"reason({reason})"), mount,
+                                   None if to == p.NO_REMOVAL_MOUNT else to, t)
+                           for seq, fp, reason, mount, to, t, key in records)
+                self._queue.append(RemovalBatch(resync, rs, (self._epoch, last)))
+            self._cond.notify_all()
+
+    def _end(self, err):
+        with self._cond:
+            if self._error is None:
+                self._error = err
+                self._cond.notify_all()
+
+    def get(self, timeout=None):
+        """The next batch, waiting up to timeout seconds (None: for ever):
+        TimeoutError past it. Once the subscription is closed or its
+        connection lost, the batches queued and then ConnectionLost."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._lost is not None:
+                    b = RemovalBatch(True, (), (self._epoch, self._lost))
+                    self._lost = None
+                    self._cursor = b.cursor
+                    return b
+                if self._queue:
+                    b = self._queue.pop(0)
+                    self._cursor = b.cursor
+                    return b
+                if self._error is not None:
+                    raise self._error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no removal batch within {timeout}s")
+                self._cond.wait(left)
+
+    @property
+    def cursor(self):
+        """(epoch, last) after the last batch get() returned: what to pass
+        as since= to subscribe again, on this connection or another."""
+        with self._cond:
+            return self._cursor
+
+    def close(self):
+        """Ends the subscription: the daemon sends no batch of it after its
+        answer; get() raises ConnectionLost once the queue is read."""
+        c = self._client
+        with c._lock:
+            open_ = c._subs.get(self.id) is self
+        if open_:
+            try:
+                c._call(p.T_UNSUBSCRIBE_REMOVALS, p.pack("<I", (self.id,), ("subscription",)))
+            finally:
+                with c._lock:
+                    if c._subs.get(self.id) is self:
+                        del c._subs[self.id]
+        self._end(ConnectionLost("the removal subscription was closed"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class Client:
     """A connection to the kvhost daemon at path (a Unix socket; None means
     default_socket()). timeout (seconds; None: none) bounds each wait on
@@ -362,6 +485,7 @@ class Client:
         self._next = 0
         self._pending = {}
         self._jobs = {}
+        self._subs = {}  # removal subscriptions by id
         self._closed = None
         self.limits = {"max_frame": p.MIN_FRAME}
         self._reader = threading.Thread(target=self._read_loop, name="kvhost-reader", daemon=True)
@@ -383,6 +507,69 @@ class Client:
         """Whether the daemon announced layer-range loads (load's layers=)
         in the handshake; False for a daemon older than protocol version 2."""
         return bool(self.limits.get("features", 0) & p.FEATURE_LAYER_LOADS)
+
+    @property
+    def supports_removals(self):
+        """Whether the daemon announced removal streams
+        (subscribe_removals) in the handshake."""
+        return bool(self.limits.get("features", 0) & p.FEATURE_REMOVALS)
+
+    def subscribe_removals(self, namespaces=(), since=None, callback=None, max_batches=256):
+        """Subscribes to the removals of namespaces (Namespace objects or
+        ids declared on this connection; none: every namespace of the
+        daemon) after since: None the first time (the removals from now
+        on), then the cursor (epoch, last) of the last batch read, on this
+        connection or another. Where the daemon cannot serve since without
+        a gap (older than its ring, or of a daemon since restarted) the
+        first batch is a resync. Returns a RemovalSubscription; with
+        callback, a thread of the subscription's calls it with each batch
+        until the subscription ends. A daemon that did not announce the
+        feature (supports_removals) raises UnsupportedError, and nothing
+        is sent."""
+        if not self.supports_removals:
+            raise UnsupportedError(p.CODE_UNSUPPORTED, f"removal streams: the daemon "
+                                   f"{self.limits.get('server', '')!r} announced none "
+                                   f"(protocol version {self.limits.get('version')})")
+        if max_batches < 1:
+            raise ValueError(f"max_batches {max_batches}: want at least 1")
+        epoch, last = since if since is not None else (0, 0)
+        ids = [ns.id if isinstance(ns, Namespace) else ns for ns in namespaces]
+        body = p.subscribe_removals(epoch, last, ids)
+        req_id, pend = self._send(p.T_SUBSCRIBE_REMOVALS, body)
+        if not pend.event.wait(self._timeout):
+            threading.Thread(target=self._undo_late, args=(pend, p.T_SUBSCRIBE_REMOVALS, self._unsubscribe_late),
+                             daemon=True, name=f"kvhost-undo-{req_id}").start()
+            raise TimeoutError(f"no reply to request {req_id} after {self._timeout}s")
+        if pend.error is not None:
+            raise _again(pend.error)
+        if pend.ftype != p.T_SUBSCRIBE_REMOVALS | p.T_REPLY:
+            raise _refusal(pend.ftype, pend.body, p.T_SUBSCRIBE_REMOVALS)
+        sub_id = p.decode_subscribed(pend.body)[0]
+        with self._lock:
+            sub = self._subs.get(sub_id)
+        if sub is None:
+            raise ConnectionLost(f"removal subscription {sub_id} lost with the connection")
+        with sub._cond:
+            sub._max = max_batches
+        if callback is not None:
+            def deliver():
+                while True:
+                    try:
+                        b = sub.get()
+                    except ConnectionLost:
+                        return
+                    try:
+                        callback(b)
+                    except Exception:  # the caller's: logged, the stream goes on
+                        _log.exception("kvhost: removal callback")
+            threading.Thread(target=deliver, daemon=True, name=f"kvhost-removals-{sub_id}").start()
+        return sub
+
+    def _unsubscribe_late(self, body):
+        sub_id = p.decode_subscribed(body)[0]
+        with self._lock:
+            self._subs.pop(sub_id, None)
+        self._call(p.T_UNSUBSCRIBE_REMOVALS, p.pack("<I", (sub_id,), ("subscription",)))
 
     def set_timeout(self, timeout):
         """Sets the bound on each later wait on the daemon (seconds > 0;
@@ -472,6 +659,13 @@ class Client:
                         raise p.ProtocolError(f"completion of unknown job {job_id}")
                     job._finish(Result(keys, nbytes, dur, msg), None)
                     continue
+                if ftype == p.T_REMOVALS and req_id == 0:
+                    sub_id, resync, last, records = p.decode_removals(body)
+                    with self._lock:
+                        sub = self._subs.get(sub_id)
+                    if sub is not None:  # none: ended meanwhile
+                        sub._push(resync, last, records)
+                    continue
                 with self._lock:
                     pend = self._pending.get(req_id)
                     if pend is not None:
@@ -492,6 +686,10 @@ class Client:
                             raise p.ProtocolError(f"job id {job_id} accepted again while in flight")
                         job._accept(job_id)
                         self._jobs[job_id] = job
+                    if pend is not None and pend.asked == p.T_SUBSCRIBE_REMOVALS and ftype == pend.asked | p.T_REPLY:
+                        # Made before the next frame: its first event.
+                        sub_id, epoch, last = p.decode_subscribed(body)
+                        self._subs[sub_id] = RemovalSubscription(self, sub_id, epoch, last, 256)
                     self._pending.pop(req_id, None)
                 if pend is None:
                     if req_id == 0 and ftype == p.T_ERROR:
@@ -523,8 +721,10 @@ class Client:
             if self._closed is None:
                 self._closed = err if isinstance(err, ConnectionLost) else ConnectionLost(str(err))
             closed = self._closed
-            pending, jobs = self._pending, self._jobs
-            self._pending, self._jobs = {}, {}
+            pending, jobs, subs = self._pending, self._jobs, self._subs
+            self._pending, self._jobs, self._subs = {}, {}, {}
+        for sub in subs.values():
+            sub._end(closed)
         for pend in pending.values():
             pend.error = closed
             if pend.unanswered is not None:

@@ -48,6 +48,9 @@ T_PURGE = 0x0011
 T_PIN_LOADABLE = 0x0012
 T_GROUP = 0x0013
 T_LOAD_LAYERS = 0x0014  # a Load of a layer range of every key (version 2)
+T_SUBSCRIBE_REMOVALS = 0x0015  # a removal stream (version 2, FEATURE_REMOVALS)
+T_UNSUBSCRIBE_REMOVALS = 0x0016
+T_REMOVALS = 0x4002  # a removal stream's event (request id 0)
 T_REPLY = 0x8000
 T_ERROR = 0xFFFF
 T_COMPLETION = 0x4001
@@ -60,6 +63,14 @@ MAX_GROUP_LEN = 64
 # Bits of a version-2 Welcome's features: what the daemon serves beyond
 # version 1.
 FEATURE_LAYER_LOADS = 1 << 0  # LoadLayers
+FEATURE_REMOVALS = 1 << 1  # SubscribeRemovals, UnsubscribeRemovals, Removals events
+
+# A removal's reasons (docs/protocol.md, "Removal streams"), by their
+# protocol numbers.
+REMOVAL_REASONS = {1: "evicted", 2: "cluster-evicted", 3: "deleted", 4: "purged", 5: "corrupt",
+                   6: "vanished", 7: "moved"}
+NO_REMOVAL_MOUNT = 0xFFFF  # a removal's "to" mount where it is not a move
+MAX_REMOVAL_BATCH = 4096
 
 MEMORY_MEMFD = 1
 MEMORY_CUDA_IPC = 2
@@ -103,14 +114,16 @@ NAMES = {T_HELLO: "Hello", T_REGISTER_MEMORY: "RegisterMemory", T_UNREGISTER_MEM
          T_LOOKUP: "Lookup", T_STORE: "Store", T_LOAD: "Load", T_CANCEL: "Cancel", T_DELETE: "Delete",
          T_STATS: "Stats", T_UNDECLARE: "Undeclare", T_PIN: "Pin", T_UNPIN: "Unpin",
          T_LOOKUP_TABLE: "LookupTable", T_PURGE: "Purge", T_PIN_LOADABLE: "PinLoadable",
-         T_GROUP: "Group", T_LOAD_LAYERS: "LoadLayers"}
+         T_GROUP: "Group", T_LOAD_LAYERS: "LoadLayers", T_SUBSCRIBE_REMOVALS: "SubscribeRemovals",
+         T_UNSUBSCRIBE_REMOVALS: "UnsubscribeRemovals"}
 
 # The fixed part of each reply's body (docs/protocol.md); a string after it
 # (str8 or str16) or per-key bytes (Pinned) are checked by reply_problem.
 _REPLY_SIZES = {T_HELLO: 33, T_REGISTER_MEMORY: 16, T_UNREGISTER_MEMORY: 0, T_DECLARE: 24,
                 T_REGISTER_CACHE: 4, T_UNREGISTER_CACHE: 0, T_LOOKUP: 4, T_STORE: 8, T_LOAD: 8,
                 T_CANCEL: 1, T_DELETE: 4, T_STATS: 132, T_UNDECLARE: 0, T_PIN: 12, T_UNPIN: 4,
-                T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12, T_GROUP: 0, T_LOAD_LAYERS: 8}
+                T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12, T_GROUP: 0, T_LOAD_LAYERS: 8,
+                T_SUBSCRIBE_REMOVALS: 20, T_UNSUBSCRIBE_REMOVALS: 0}
 
 
 def reply_problem(asked, ftype, body):
@@ -477,3 +490,41 @@ def _skip_daemon_and_spares(body, off):
     if len(body) < off:
         raise struct.error("spares section cut short")
     return off
+
+
+def subscribe_removals(epoch, since, namespaces):
+    """A SubscribeRemovals body: u64 epoch | u64 since | u32 count | count
+    x u32 namespace id (none: every namespace)."""
+    namespaces = list(namespaces)
+    if len(namespaces) > MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"{len(namespaces)} namespaces: at most {MAX_KEYS_PER_REQUEST}")
+    return (pack("<QQI", (epoch, since, len(namespaces)), ("epoch", "since", "namespace count"))
+            + b"".join(pack("<I", (ns,), ("namespace",)) for ns in namespaces))
+
+
+def decode_subscribed(body):
+    """A RemovalsSubscribed reply: (subscription, epoch, last)."""
+    return struct.unpack_from("<IQQ", body)
+
+
+_REMOVAL = struct.Struct("<QQBBHHQB")  # seq, fingerprint, reason, pad, mount, to, time, key length
+
+
+def decode_removals(body):
+    """A Removals event: (subscription, resync, last, [(seq, fingerprint,
+    reason number, mount, to, time ns, key)]). Bytes after the records
+    are refused (the event's length bounds them)."""
+    sub, flags, last, n = struct.unpack_from("<IB3xQI", body)
+    if flags & ~1 or n > MAX_REMOVAL_BATCH or (flags & 1 and n):
+        raise ProtocolError(f"Removals event: flags {flags:#x}, {n} records")
+    off, records = 20, []
+    for _ in range(n):
+        seq, fp, reason, _pad, mount, to, t, klen = _REMOVAL.unpack_from(body, off)
+        off += _REMOVAL.size
+        if not 1 <= klen <= MAX_KEY_LEN or off + klen > len(body):
+            raise ProtocolError(f"Removals event: a key of {klen} bytes at offset {off} of {len(body)}")
+        records.append((seq, fp, reason, mount, to, t, bytes(body[off:off + klen])))
+        off += klen
+    if off != len(body):
+        raise ProtocolError(f"Removals event: {len(body) - off} bytes after its {n} records")
+    return sub, bool(flags & 1), last, records
