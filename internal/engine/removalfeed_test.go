@@ -268,3 +268,57 @@ func TestAKeyAnotherNodeRemovesBecomesARecordHere(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkOtherNodeRemovalLag measures the time from a delete on node A
+// of a cluster mount to the record of it on node B (whose sweep runs at
+// its default interval), B having indexed the key; it reports the p50 and
+// p99 of that lag.
+func BenchmarkOtherNodeRemovalLag(b *testing.B) {
+	ctx := context.Background()
+	dir := b.TempDir()
+	open := func(id string) *node {
+		e := openEngine(b, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Second}}, NodeID: id,
+			Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+		g := smallGeometry(true)
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return &node{e: e, ns: ns, c: newTestCache(b, e, ns, g, 64, layoutPlaneFirst)}
+	}
+	a, n := open("a"), open("b")
+	sub, _, _, err := n.e.Removals().Subscribe(nil, 0, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sub.Close()
+	r := rand.New(rand.NewPCG(1, 2))
+	var lags []time.Duration
+	for i := 0; b.Loop(); i++ {
+		b.StopTimer()
+		key := testKeys("lag"+string(rune('a'+i%26))+time.Now().Format("150405.000000"), 1)
+		a.c.fill(r, []int{0, 1, 2, 3})
+		storeAndCheck(b, a.e, a.c, key, [][]int{{0, 1, 2, 3}})
+		if got, _ := n.e.Lookup(ctx, n.ns, key); got != 1 {
+			b.Fatal("B does not find A's key")
+		}
+		b.StartTimer()
+		t0 := time.Now()
+		if got, err := a.e.Delete(ctx, a.ns, key); got != 1 || err != nil {
+			b.Fatalf("delete: %d %v", got, err)
+		}
+		for found := false; !found; {
+			bt, err := sub.Next(ctx, 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			found = slices.ContainsFunc(bt.Records, func(rec removals.Record) bool { return rec.Key == string(key[0]) })
+		}
+		lags = append(lags, time.Since(t0))
+	}
+	slices.Sort(lags)
+	if len(lags) > 0 {
+		b.ReportMetric(float64(lags[len(lags)/2].Milliseconds()), "p50-ms")
+		b.ReportMetric(float64(lags[len(lags)*99/100].Milliseconds()), "p99-ms")
+	}
+}
