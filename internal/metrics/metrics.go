@@ -42,6 +42,9 @@ type Sources struct {
 	// Reloads counts configuration reloads that took effect and that
 	// failed.
 	Reloads func() (ok, failed uint64)
+	// Removals reports the engine's removal feed: records published,
+	// resyncs told to subscribers, subscriptions open (nil: left out).
+	Removals func() RemovalStats
 	// GPUFiles reports the files the GPU staging pipeline keeps
 	// registered (nil without a GPU).
 	GPUFiles func() GPUFileStats
@@ -353,6 +356,9 @@ var (
 	dCuFileDropped      = desc("kvhost_cufile_handles_dropped_total", "Cached cuFile handles deregistered: to keep the bound (evicted), because the engine removed or replaced the file (forgotten), or because no name links the file any more (unlinked: another node removed it).", "reason")
 	dStart              = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
 	dReloads            = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
+	dRemovalRecords     = desc("kvhost_removal_records_total", "Keys recorded in the removal feed (removed, or moved to another mount) since its first subscription.")
+	dRemovalResyncs     = desc("kvhost_removal_resyncs_total", "Resyncs told to removal subscribers: removals lost to them (a slow reader, or a cursor older than the ring).")
+	dRemovalSubscribers = desc("kvhost_removal_subscribers", "Removal subscriptions open now.")
 )
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
@@ -569,5 +575,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ok, failed := src.Reloads()
 		counter(dReloads, ok, "ok")
 		counter(dReloads, failed, "failed")
+	}
+	if src.Removals != nil {
+		r := src.Removals()
+		counter(dRemovalRecords, r.Published)
+		counter(dRemovalResyncs, r.Resyncs)
+		gauge(dRemovalSubscribers, float64(r.Subscribers))
 	}
 }

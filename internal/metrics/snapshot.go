@@ -251,3 +251,10 @@ func (o Outcome) String() string {
 	}
 	return "outcome(" + strconv.Itoa(int(o)) + ")"
 }
+
+// RemovalStats is what the metrics read of the engine's removal feed.
+type RemovalStats struct {
+	Published   uint64 // records published since the first subscription
+	Resyncs     uint64 // resyncs told to subscribers
+	Subscribers int64  // subscriptions open now
+}
