@@ -7,7 +7,11 @@
 # vllm-test-deps, run by make test-vllm) also what vLLM's modules import:
 # pydantic (vLLM's KVTransferConfig), cbor2 (vllm.utils.hashing),
 # prometheus_client and regex; those are required there, so a failed
-# install fails. apt-get waits for the dpkg lock (ensure-apt.sh).
+# install fails. Also with --vllm: pyzmq and msgpack, for vLLM's KV-event
+# publisher (ZmqEventPublisher) and a router's decoding of its messages
+# (tests/test_vllm_real_events.py; msgspec, which vLLM's kv_events module
+# imports, has no Debian package: that test shims it over msgpack).
+# apt-get waits for the dpkg lock (ensure-apt.sh).
 # Idempotent: asks apt only for what is missing.
 set -euo pipefail
 py=${PYTHON:-/usr/bin/python3}
@@ -19,7 +23,10 @@ if [ "${1:-}" = --vllm ]; then
 	# vLLM's connector metrics, and vLLM's modules import regex in place of re.
 	"$py" -c 'import prometheus_client' >/dev/null 2>&1 || missing+=(python3-prometheus-client)
 	"$py" -c 'import regex' >/dev/null 2>&1 || missing+=(python3-regex)
-	required+=(python3-pydantic python3-cbor2 python3-prometheus-client python3-regex)
+	# vLLM's KV-event publisher and a router's decoding of its batches.
+	"$py" -c 'import zmq' >/dev/null 2>&1 || missing+=(python3-zmq)
+	"$py" -c 'import msgpack' >/dev/null 2>&1 || missing+=(python3-msgpack)
+	required+=(python3-pydantic python3-cbor2 python3-prometheus-client python3-regex python3-zmq python3-msgpack)
 fi
 "$py" -c 'import numpy' >/dev/null 2>&1 || missing+=(python3-numpy)
 "$py" -c 'import torch' >/dev/null 2>&1 || missing+=(python3-torch)
