@@ -16,7 +16,7 @@ import (
 // TestHelloVersions: the daemon answers a Hello of version 1 with a
 // version-1 Welcome (no features: a version-1 client's decoder refuses
 // bytes after the server name) and one of version 2 with a version-2
-// Welcome announcing layer-range loads; it refuses other versions naming
+// Welcome announcing layer-range loads and removal streams; it refuses other versions naming
 // the ones it speaks, and closes the connection.
 func TestHelloVersions(t *testing.T) {
 	f := newFixture(t, server.Config{})
@@ -25,7 +25,7 @@ func TestHelloVersions(t *testing.T) {
 		features protocol.Feature
 	}{
 		{1, 0},
-		{2, protocol.FeatureLayerLoads},
+		{2, protocol.FeatureLayerLoads | protocol.FeatureRemovals},
 	} {
 		r := f.raw(t)
 		r.send(1, &protocol.Hello{Version: tc.version})
