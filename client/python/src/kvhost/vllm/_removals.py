@@ -1,0 +1,657 @@
+"""Removals into vLLM's KV events: what the tier (KvhostTier), the spec's
+manager (KvhostOffloadingSpec) and the KV connector's scheduler half
+(KvhostConnector) hand vLLM from take_events when the daemon drops a key
+they reported stored (docs/routers.md).
+
+Each half owns one of these, beside its own daemon connection:
+
+- ``OffloadingRemovals`` (tier, spec): the half queues its stored events
+  here (``stored``) instead of in a queue of its own; a key it reported
+  stored and the daemon then drops becomes ``OffloadingEvent(keys, medium,
+  removed=True)``; a key moved to a mount of another medium (the
+  ``media`` option) becomes a removed event for the medium the router was
+  told and a stored event for the new one. vLLM's OffloadingConnector
+  turns both into ``BlockRemoved`` and ``BlockStored`` (its
+  OffloadingEventsTracker), with the medium and locality of the event.
+- ``ConnectorRemovals`` (KV connector): the half hands over each chunk it
+  saves (``saved``, with the block hashes and tokens vLLM's events carry);
+  once the daemon holds the chunk in every rank's namespace a
+  ``BlockStored`` is queued, and when the daemon drops it a
+  ``BlockRemoved`` with the same block hashes.
+
+Both run a ``Watcher``: a thread with a daemon connection of its own that
+declares the half's namespaces and subscribes to their removals
+(Client.subscribe_removals), subscribes again from its cursor after a
+lost connection, and, where the daemon cannot serve the cursor without a
+gap (a resync: a daemon restarted, or a subscriber that fell behind),
+asks the daemon (pins of lease 0, released at once) which of the keys
+the half reported stored it still holds, and reports the others removed.
+So no removal is lost silently: it is reported as it happens, or found by
+that check.
+
+What is reported: removals of the keys this half reported stored, once
+each, with the medium the router was told; nothing for a key the half
+never reported stored (another engine's: that engine reports its own
+removals, from its own watcher), nor for a key still stored (the daemon
+sends no record for a key another file holds; a move within one medium is
+no change to a router). Memory is bounded: at most ``max_tracked`` keys
+are remembered; the oldest one past that is reported removed at once (a
+router then never holds a key the half can no longer vouch for; the key
+may still load: a lookup finds it).
+
+Nothing here blocks vLLM's scheduler: ``take_events`` returns what is
+queued, under a lock that no daemon round trip holds.
+
+Importing this module imports nothing of vLLM.
+"""
+
+import collections
+import logging
+import threading
+import time
+
+from .. import protocol as p
+from ..client import Client
+from ._common import daemon_key, reason
+
+# A child of vLLM's "vllm" logger, the one vLLM configures.
+_log = logging.getLogger("vllm.kvhost")
+
+# Defaults of the options every kind shares (OffloadingRemovals,
+# ConnectorRemovals): the keys remembered (each tracked key costs about
+# 200 bytes of the scheduler's memory), the keys of stored events queued
+# at most between two take_events calls (older stored events are dropped,
+# and their keys forgotten, past it: a router under-counts, never
+# over-counts), and the lag samples kept for lags().
+MAX_TRACKED = 1 << 18
+MAX_QUEUED = 1 << 16
+LAG_SAMPLES = 1 << 14
+RECENT = 1 << 16
+
+
+class Watcher:
+    """A daemon connection of its own that follows the removals of
+    geometries' namespaces (declared on it) for a half: on_records(conn,
+    records) is called with each batch's removals, on_gap(conn) where
+    removals may have been lost (a resync; the first subscription, for
+    keys reported before it), both on the watcher's thread, conn being
+    (client, [Namespace per geometry]). A lost connection is made again
+    every reconnect_s (> 0) and subscribes from the cursor of the last
+    batch read. A daemon without removal streams is said once in the log
+    and asked again every minute. close() ends it within about a tenth of
+    a second plus one daemon answer's timeout."""
+
+    def __init__(self, socket, geometries, on_records, on_gap, *, name, reconnect_s=1.0, timeout=5.0,
+                 idle=None, idle_s=0.25, what="removals"):
+        self._socket, self._geoms = socket, list(geometries)
+        self._on_records, self._on_gap, self._idle = on_records, on_gap, idle
+        self._name, self._every, self._timeout, self._idle_s = name, reconnect_s, timeout, idle_s
+        self._what = what
+        self._cv = threading.Condition()
+        self._closing = False
+        self._client = None
+        self.cursor = None          # (epoch, last) of the last batch handled
+        self.connects = 0           # subscriptions made (the first and each after a loss)
+        self.resyncs = 0            # resyncs answered (and gaps checked)
+        self.subscribed = threading.Event()  # set once a subscription is up (tests wait for it)
+        self._thread = threading.Thread(target=self._run, name=f"kvhost-{what}", daemon=True)
+        self._thread.start()
+
+    def close(self):
+        """Ends the watcher and its connection. Idempotent."""
+        with self._cv:
+            self._closing = True
+            client = self._client
+            self._cv.notify_all()
+        if client is not None:
+            client.close()
+        self._thread.join(self._timeout + 1.0)
+
+    def _wait(self, seconds):
+        """Waits seconds unless closing; reports whether closing."""
+        with self._cv:
+            deadline = time.monotonic() + seconds
+            while not self._closing and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
+            return self._closing
+
+    def _run(self):
+        said = 0.0
+        while True:
+            with self._cv:
+                if self._closing:
+                    return
+            try:
+                self._follow()
+            except Exception as e:  # no daemon, a lost connection, a refusal: try again
+                with self._cv:
+                    closing = self._closing
+                if not closing and time.monotonic() - said >= 60:
+                    said = time.monotonic()
+                    _log.warning("kvhost %s: no removal stream from the daemon at %s (%s); trying again every "
+                                 "%gs", self._what, self._socket, reason(e), self._every)
+            finally:
+                with self._cv:
+                    client, self._client = self._client, None
+                if client is not None:
+                    client.close()
+                self.subscribed.clear()
+            if self._every <= 0 or self._wait(self._every):
+                return
+
+    def _follow(self):
+        """One connection: declares, subscribes from the cursor, hands each
+        batch over until the connection ends or the watcher closes."""
+        client = Client(self._socket, name=self._name, timeout=self._timeout, lookup_table=False)
+        with self._cv:
+            if self._closing:
+                client.close()
+                return
+            self._client = client
+        if not client.supports_removals:
+            _log.warning("kvhost %s: the daemon at %s streams no removals (%s): vLLM hears of a removal only "
+                         "when a lookup or a load finds a key gone; asking again every minute", self._what,
+                         self._socket, client.limits.get("server", "an older daemon"))
+            self._wait(60)
+            return
+        nss = [client.declare(g) for g in self._geoms]
+        conn = (client, nss)
+        first = self.cursor is None
+        sub = client.subscribe_removals(nss, since=self.cursor)
+        self.connects += 1
+        self.subscribed.set()
+        if first:
+            # Nothing was recorded for this half before its first
+            # subscription: keys it reported before are checked.
+            self._on_gap(conn)
+            self.cursor = sub.subscribed
+        while True:
+            try:
+                b = sub.get(timeout=self._idle_s)
+            except TimeoutError:
+                b = None
+            with self._cv:
+                if self._closing:
+                    return
+            if b is not None and b.resync:
+                self.resyncs += 1
+                _log.info("kvhost %s: the daemon's removals since %s cannot be served without a gap (a restart, "
+                          "or this watcher fell behind): checking the keys reported stored", self._what,
+                          self.cursor)
+                self._on_gap(conn)
+            elif b is not None and b.removals:
+                self._on_records(conn, b.removals)
+            if b is not None:
+                self.cursor = b.cursor
+            if self._idle is not None:
+                self._idle(conn)
+
+
+def _pinned(client, ns, dkeys):
+    """Which of dkeys the daemon holds in ns (a pin of lease 0 per
+    MAX_KEYS_PER_REQUEST keys, released at once): a list of bools."""
+    held = []
+    for i in range(0, len(dkeys), p.MAX_KEYS_PER_REQUEST):
+        chunk = dkeys[i:i + p.MAX_KEYS_PER_REQUEST]
+        pin_id, ok = client.pin(ns, chunk, 0)
+        if pin_id:
+            client.unpin(pin_id)
+        held += [bool(h) for h in ok]
+    return held
+
+
+class _Tracked:
+    """What OffloadingRemovals and ConnectorRemovals share: the keys
+    reported stored (daemon key -> _Entry, oldest first, at most
+    max_tracked), the queue of events take_events returns, the watcher,
+    the counters and the lag samples."""
+
+    def __init__(self, socket, geometries, medium, *, media, events, watch, name, max_tracked, max_queued,
+                 reconnect_s, timeout, what):
+        for k, v in (("max_tracked", max_tracked), ("max_queued", max_queued)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {v!r}")
+        self._lock = threading.Lock()
+        self._tracked = collections.OrderedDict()   # daemon key -> _Entry
+        self._queue = collections.deque()           # [kind, medium, [(key or entry, record time ns)]]
+        self._queued_stored = 0                     # keys of stored events queued
+        self._max_tracked, self._max_queued = max_tracked, max_queued
+        self._lags = collections.deque(maxlen=LAG_SAMPLES)  # seconds, record -> take_events
+        self.stats = collections.Counter()
+        # Removals of keys not tracked, by daemon key (record time ns),
+        # the last RECENT of them: a key reported stored after its removal
+        # was handled (the half reports a store once its job ended, the
+        # watcher may see the eviction first) is asked of the daemon again
+        # (_recheck, on the watcher's thread), not left stored at the router.
+        self._recent = collections.OrderedDict()
+        self._recheck = {}                          # daemon key -> _Entry
+        self._medium, self._media = medium, dict(media or {})
+        self.events_on = bool(events)
+        self.watcher = None
+        if self.events_on and watch:
+            self.watcher = Watcher(socket, geometries, self._records, self._gap, name=name,
+                                   reconnect_s=reconnect_s, timeout=timeout, idle=self._idle, what=what)
+
+    # -- the queue ------------------------------------------------------------------
+
+    def _push_locked(self, kind, medium, items):
+        """Appends items to the queue, merged into the last event where it
+        is of the same kind and medium."""
+        if not items:
+            return
+        if kind == "stored":
+            self._queued_stored += len(items)
+        last = self._queue[-1] if self._queue else None
+        if last is not None and last[0] == kind and last[1] == medium:
+            last[2].extend(items)
+        else:
+            self._queue.append([kind, medium, list(items)])
+        while self._queued_stored > self._max_queued:
+            self._drop_oldest_stored_locked()
+
+    def _drop_oldest_stored_locked(self):
+        """Past max_queued keys of stored events: the oldest stored event
+        is dropped and its keys forgotten (no removal follows for them)."""
+        for i, ev in enumerate(self._queue):
+            if ev[0] == "stored":
+                del self._queue[i]
+                self._queued_stored -= len(ev[2])
+                for e, _ in ev[2]:
+                    self._tracked.pop(e.dkey, None)
+                self.stats["events_dropped"] += 1
+                self.stats["dropped_keys"] += len(ev[2])
+                return
+
+    def _take_locked(self):
+        """The queue's events, emptied; removals' lag samples kept."""
+        out, self._queue, self._queued_stored = self._queue, collections.deque(), 0
+        now = time.time_ns()
+        for kind, _, items in out:
+            if kind == "removed":
+                for _, t in items:
+                    if t:
+                        self._lags.append((now - t) / 1e9)
+        return out
+
+    def lags(self):
+        """The removal lags of the events taken so far (seconds from the
+        daemon's record to take_events handing the event to vLLM), the
+        last LAG_SAMPLES of them."""
+        with self._lock:
+            return list(self._lags)
+
+    # -- tracking -------------------------------------------------------------------
+
+    def _track_locked(self, entry):
+        """Remembers entry (re-stored: moved to the newest end); past
+        max_tracked the oldest is reported removed now."""
+        self._tracked.pop(entry.dkey, None)
+        self._tracked[entry.dkey] = entry
+        if entry.dkey in self._recent:
+            self._recheck[entry.dkey] = entry
+        while len(self._tracked) > self._max_tracked:
+            _, gone = self._tracked.popitem(last=False)
+            self.stats["forgotten_keys"] += 1
+            self._push_locked("removed", gone.medium, [(gone, 0)])
+
+    def _removed_locked(self, dkey, t, why):
+        """dkey left the daemon (record time t, or 0): a removal for it
+        where it was reported stored."""
+        e = self._tracked.pop(dkey, None)
+        if e is None:
+            self.stats["removals_not_reported"] += 1
+            self._recent[dkey] = t
+            self._recent.move_to_end(dkey)
+            if len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+            return
+        self.stats[f"removed_{why}"] += 1
+        self._push_locked("removed", e.medium, [(e, t)])
+
+    # -- the watcher's callbacks ----------------------------------------------------------
+
+    def _records(self, conn, records):
+        client, nss = conn
+        fps = {ns.fingerprint: i for i, ns in enumerate(nss)}
+        with self._lock:
+            self.stats["records"] += len(records)
+            for r in records:
+                if r.fingerprint not in fps:
+                    continue
+                if r.reason == "moved" and r.to is not None:
+                    self._moved_locked(r)
+                else:
+                    self._removed_locked(r.key, r.time_ns, r.reason.replace("-", "_"))
+
+    def _medium_of(self, mount, default):
+        """The medium of keys on mount (media's), default where media names
+        none: every mount is the half's medium."""
+        return self._media.get(mount, self._medium) if self._media else default
+
+    def _moved_locked(self, r):
+        """A key moved between mounts: a change of medium (removed for
+        the medium the router was told, stored for the new one) where the
+        two mounts' media differ; else nothing."""
+        e = self._tracked.get(r.key)
+        if e is None:
+            return
+        new = self._medium_of(r.to, e.medium)
+        if new == e.medium:
+            self.stats["moves_same_medium"] += 1
+            return
+        self.stats["medium_changes"] += 1
+        self._push_locked("removed", e.medium, [(e, r.time_ns)])
+        e.medium = new
+        self._tracked.move_to_end(r.key)
+        self._push_locked("stored", new, [(e, 0)])
+
+    def _gap(self, conn):
+        """Removals may have been lost: the keys reported stored are asked
+        of the daemon, and those it no longer holds are reported removed.
+        Keys reported while the check runs are not asked (their removals
+        are recorded from now on)."""
+        client, nss = conn
+        with self._lock:
+            entries = list(self._tracked.values())
+            self.stats["gap_checks"] += 1
+        gone = self._missing(client, nss, entries)
+        with self._lock:
+            for e in gone:
+                if self._tracked.get(e.dkey) is e:
+                    self._removed_locked(e.dkey, 0, "resync")
+
+    def _missing(self, client, nss, entries):
+        """The entries the daemon does not hold in every namespace of
+        theirs (_namespaces)."""
+        by_ns = collections.defaultdict(list)
+        for e in entries:
+            for i in self._namespaces(e):
+                by_ns[i].append(e)
+        gone = set()
+        for i, es in by_ns.items():
+            for e, h in zip(es, _pinned(client, nss[i], [e.dkey for e in es])):
+                if not h:
+                    gone.add(e)
+        return [e for e in entries if e in gone]
+
+    def _idle(self, conn):
+        """Called on the watcher's thread after each batch, and every
+        idle_s without one: the keys reported stored after a removal of
+        theirs was handled are asked of the daemon."""
+        with self._lock:
+            if not self._recheck:
+                return
+            entries, self._recheck = list(self._recheck.values()), {}
+        client, nss = conn
+        try:
+            gone = self._missing(client, nss, entries)
+        except BaseException:
+            with self._lock:  # asked again on the next connection
+                for e in entries:
+                    self._recheck.setdefault(e.dkey, e)
+            raise
+        with self._lock:
+            self.stats["rechecked_keys"] += len(entries)
+            for e in gone:
+                if self._tracked.get(e.dkey) is e:
+                    self._removed_locked(e.dkey, self._recent.get(e.dkey, 0), "rechecked")
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def counters(self):
+        """Counters since start (records seen, removals reported by reason,
+        gaps checked, keys forgotten, events dropped), with the keys
+        tracked now and the watcher's state."""
+        with self._lock:
+            s = dict(self.stats)
+            s["tracked_keys"] = len(self._tracked)
+        w = self.watcher
+        if w is not None:
+            s["subscriptions"], s["resyncs"] = w.connects, w.resyncs
+            s["subscribed"] = w.subscribed.is_set()
+        return s
+
+    def close(self):
+        """Stops the watcher and closes its connection. Idempotent."""
+        if self.watcher is not None:
+            self.watcher.close()
+
+
+class _Entry:
+    """A key reported stored: its daemon key, what vLLM's events name it
+    by (a vLLM key, or the chunk's block hashes and stored-event fields),
+    the medium the router was told."""
+    __slots__ = ("dkey", "key", "medium", "info", "group")
+
+    def __init__(self, dkey, key, medium, info=None, group=0):
+        self.dkey, self.key, self.medium, self.info, self.group = dkey, key, medium, info, group
+
+
+class OffloadingRemovals(_Tracked):
+    """The stored and removed OffloadingEvents of the tier or the spec's
+    manager (docs/routers.md).
+
+    api: the classes in use (OffloadingEvent, Medium); medium: the half's
+    medium (its stored events'); fields: the events' other fields (the
+    tier's {"locality": ...}); geometries: the half's namespaces (the
+    tier's one; the spec's (rank, group) ones, with groups[i] the KV-cache
+    group of geometries[i]: a key of group g is held only if every rank's
+    namespace of g holds it); media: {mount index: the medium of keys on
+    it} for the daemon's mounts of another medium than medium (a move
+    there is a medium change), default none; events=False: no watcher,
+    nothing tracked or queued (vLLM's KV events off); watch=False: no
+    watcher (tests hand records in)."""
+
+    def __init__(self, api, medium, socket, geometries, *, groups=None, fields=None, media=None, events=True,
+                 name="vllm-removals", max_tracked=MAX_TRACKED, max_queued=MAX_QUEUED, reconnect_s=1.0,
+                 timeout=5.0, what="removals", watch=True):
+        self._api = api
+        self._fields = dict(fields or {})
+        self._groups = list(groups) if groups is not None else [0] * len(geometries)
+        if len(self._groups) != len(geometries):
+            raise ValueError(f"kvhost.vllm: {len(geometries)} namespaces, {len(self._groups)} groups")
+        self._by_group = collections.defaultdict(list)
+        for i, g in enumerate(self._groups):
+            self._by_group[g].append(i)
+        super().__init__(socket, geometries, medium, media=media, events=events, watch=watch, name=name,
+                         max_tracked=max_tracked, max_queued=max_queued, reconnect_s=reconnect_s, timeout=timeout,
+                         what=what)
+
+    def _namespaces(self, e):
+        return self._by_group.get(e.group, ())
+
+    def stored(self, keys):
+        """keys (vLLM's keys) were stored by this half: a stored event is
+        queued (take_events) and the keys are tracked, so that their
+        removal follows. Never waits on the daemon."""
+        if not self.events_on:
+            return
+        with self._lock:
+            items = []
+            for k in keys:
+                k = bytes(k)
+                g = int.from_bytes(k[-4:], "big") if len(self._by_group) > 1 and len(k) >= 4 else self._groups[0]
+                e = _Entry(daemon_key(k), k, self._medium, group=g)
+                self._track_locked(e)
+                items.append((e, 0))
+            self._push_locked("stored", self._medium, items)
+
+    def gone(self, keys):
+        """keys (vLLM's keys) were found gone by the half itself (a load
+        that missed, a lookup's pin that found none): a removed event for
+        those reported stored and not yet reported removed."""
+        if not self.events_on:
+            return
+        with self._lock:
+            for k in keys:
+                self._removed_locked(daemon_key(bytes(k)), 0, "found_gone")
+
+    def take_events(self):
+        """The events queued since the last call, in order (a list of the
+        api's OffloadingEvent): what vLLM's take_events yields."""
+        with self._lock:
+            out = self._take_locked()
+        ev = self._api.OffloadingEvent
+        return [ev(keys=[e.key for e, _ in items], medium=medium, removed=kind == "removed", **self._fields)
+                for kind, medium, items in out]
+
+
+class ConnectorRemovals(_Tracked):
+    """The BlockStored and BlockRemoved events of the KV connector's
+    scheduler half (docs/routers.md).
+
+    api: vLLM's KV-event classes (BlockStored, BlockRemoved; a namespace
+    with them, from vllm.distributed.kv_events) and convert, vLLM's
+    maybe_convert_block_hash (how its events name a hash: bytes, or ints
+    with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES); medium: the events'
+    (vLLM's MEDIUM_STORAGE, "STORAGE"); locality: "LOCAL", "REMOTE" or
+    None; geometries: the connector's namespaces, one per rank (a chunk is
+    held where every one holds it). A saved chunk's BlockStored waits
+    until the daemon holds it (asked every verify_s, for verify_for_s at
+    most: a chunk not stored by then gets no event). events and watch as
+    OffloadingRemovals'."""
+
+    def __init__(self, api, socket, geometries, *, medium="STORAGE", locality=None, media=None, events=True,
+                 name="vllm-removals", max_tracked=MAX_TRACKED, max_queued=MAX_QUEUED, reconnect_s=1.0,
+                 timeout=5.0, verify_s=0.25, verify_for_s=60.0, what="connector removals", watch=True):
+        self._api, self._locality = api, locality
+        self._convert = getattr(api, "convert", None) or (lambda h: h)
+        self._n = len(geometries)
+        self._verify_s, self._verify_for_s = verify_s, verify_for_s
+        self._pending = collections.OrderedDict()   # daemon key -> (_Entry, saved at, monotonic)
+        self._checked = 0.0
+        super().__init__(socket, geometries, medium, media=media, events=events, watch=watch, name=name,
+                         max_tracked=max_tracked, max_queued=max_queued, reconnect_s=reconnect_s, timeout=timeout,
+                         what=what)
+
+    def _namespaces(self, e):
+        return range(self._n)
+
+    def saved(self, key, block_hashes, parent_block_hash, token_ids, block_size, lora_id=None, lora_name=None,
+              extra_keys=None, group_idx=0):
+        """A chunk went to the workers to be stored under key (the daemon's
+        key), holding block_hashes (vLLM's BlockHash bytes, in order) of
+        block_size tokens each after parent_block_hash (None: the first),
+        token_ids its tokens: once the daemon holds it, a BlockStored of
+        them is queued, and its removal will name the same hashes. Never
+        waits on the daemon."""
+        if not self.events_on:
+            return
+        info = {"block_hashes": [bytes(h) for h in block_hashes],
+                "parent_block_hash": None if parent_block_hash is None else bytes(parent_block_hash),
+                "token_ids": list(token_ids), "block_size": int(block_size), "lora_id": lora_id,
+                "lora_name": lora_name, "extra_keys": extra_keys, "group_idx": group_idx}
+        dkey = bytes(key)
+        with self._lock:
+            if dkey in self._tracked or dkey in self._pending:
+                return  # reported already, or being checked
+            self._pending[dkey] = (_Entry(dkey, None, self._medium, info), time.monotonic())
+            while len(self._pending) > self._max_tracked:
+                self._pending.popitem(last=False)
+                self.stats["unverified_dropped"] += 1
+
+    def _idle(self, conn):
+        """After each batch and every idle_s: every verify_s, the chunks
+        saved and not yet found held are asked of the daemon."""
+        super()._idle(conn)
+        now = time.monotonic()
+        if now - self._checked < self._verify_s:
+            return
+        self._checked = now
+        self._verify(conn)
+
+    def _verify(self, conn):
+        client, nss = conn
+        with self._lock:
+            entries = [e for e, _ in self._pending.values()]
+        if not entries:
+            return
+        gone = set(self._missing(client, nss, entries))
+        now = time.monotonic()
+        with self._lock:
+            for e in entries:
+                got = self._pending.get(e.dkey)
+                if got is None or got[0] is not e:
+                    continue
+                if e not in gone:
+                    del self._pending[e.dkey]
+                    self.stats["stored_verified"] += 1
+                    self._track_locked(e)
+                    self._push_locked("stored", e.medium, [(e, 0)])
+                elif now - got[1] > self._verify_for_s:
+                    del self._pending[e.dkey]
+                    self.stats["stored_unverified"] += 1
+
+    def _gap(self, conn):
+        super()._gap(conn)
+        self._verify(conn)
+
+    def take_events(self):
+        """The events queued since the last call, in order: BlockStored
+        for each chunk found stored, BlockRemoved (one per run of removals
+        of a medium) for those since removed."""
+        with self._lock:
+            out = self._take_locked()
+        a, cv = self._api, self._convert
+        events = []
+        for kind, medium, items in out:
+            if kind == "removed":
+                hashes = [cv(h) for e, _ in items for h in e.info["block_hashes"]]
+                events.append(_make(a.BlockRemoved, block_hashes=hashes, medium=medium,
+                                    group_idx=items[0][0].info["group_idx"], locality=self._locality))
+                continue
+            for e, _ in items:
+                i = e.info
+                events.append(_make(
+                    a.BlockStored, block_hashes=[cv(h) for h in i["block_hashes"]],
+                    parent_block_hash=None if i["parent_block_hash"] is None else cv(i["parent_block_hash"]),
+                    token_ids=i["token_ids"], block_size=i["block_size"], lora_id=i["lora_id"], medium=medium,
+                    lora_name=i["lora_name"], extra_keys=i["extra_keys"], group_idx=i["group_idx"],
+                    locality=self._locality))
+        return events
+
+    def counters(self):
+        s = super().counters()
+        with self._lock:
+            s["verifying_keys"] = len(self._pending)
+        return s
+
+
+def _fields_of(cls):
+    """The constructor fields of cls: a msgspec Struct's __struct_fields__,
+    a dataclass's fields, else its signature's parameters."""
+    f = getattr(cls, "__struct_fields__", None)
+    if f is not None:
+        return set(f)
+    import dataclasses
+    import inspect
+    if dataclasses.is_dataclass(cls):
+        return {x.name for x in dataclasses.fields(cls)}
+    try:
+        return set(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _make(cls, **kw):
+    """cls(**kw) with the fields this vLLM's class has: one an older vLLM
+    lacks (locality, group_idx) is left out."""
+    have = _fields_of(cls)
+    return cls(**({k: v for k, v in kw.items() if k in have} if have else kw))
+
+
+def kv_event_api():
+    """vLLM's KV-event classes for ConnectorRemovals (BlockStored,
+    BlockRemoved, AllBlocksCleared, convert): vllm.distributed.kv_events'
+    and vllm.v1.core.kv_cache_utils' maybe_convert_block_hash. ImportError
+    where this vLLM has none."""
+    import types
+    from vllm.distributed import kv_events as ke
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
+    except ImportError:
+        convert = None
+    return types.SimpleNamespace(BlockStored=ke.BlockStored, BlockRemoved=ke.BlockRemoved,
+                                 AllBlocksCleared=ke.AllBlocksCleared, convert=convert,
+                                 medium=getattr(ke, "MEDIUM_STORAGE", "STORAGE"))
+
