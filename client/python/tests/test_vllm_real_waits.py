@@ -21,11 +21,23 @@ import unittest
 import numpy as np
 
 import daemon as d
+import test_vllm_real_spec as rs
 from test_vllm_real_tier import NO_TREE, RealTieringCase, key
 
 BOUND = 0.5     # daemon_wait_s in these tests
 MARGIN = 1.0    # scheduling slack on a loaded 2-core machine: not part of the claim
 BLOCKS = 16
+
+
+_UNOBSERVED = rs.unobserved()  # the spec worker's layout, as test_vllm_real_spec's
+
+
+def setUpModule():
+    _UNOBSERVED.start()
+
+
+def tearDownModule():
+    _UNOBSERVED.stop()
 
 
 def timed(what, fn):
@@ -153,6 +165,61 @@ class FrozenDaemonUnderTheTier(RealTieringCase):
                     self.assertLess(took, BOUND + MARGIN, "shutdown waited on the frozen daemon")
                 finally:
                     dm.thaw()
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class FrozenDaemonUnderTheSpec(rs.RealSpecCase):
+    """KvhostOffloadingSpec's manager and worker, each on a daemon of its
+    own frozen by the test."""
+
+    def own_daemon(self):
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        return dm
+
+    def test_start_with_a_frozen_daemon_returns_within_the_bound_then_connects_once_it_resumes(self):
+        dm = self.own_daemon()
+        dm.freeze()
+        try:
+            spec = self.spec(socket=dm.socket, reconnect_s=0.05, daemon_wait_s=BOUND)
+            m, took_m = timed("spec manager start, frozen daemon", lambda: self.manager(spec))
+            (w, _), took_w = timed("spec worker start, frozen daemon", lambda: self.worker(spec, seed=1))
+            self.assertLess(took_m, BOUND + MARGIN, "the manager's start waited on the frozen daemon")
+            self.assertLess(took_w, BOUND + MARGIN, "the worker's start waited on the frozen daemon")
+            self.assertFalse(m.counters()["connected"] or w.counters()["connected"])
+        finally:
+            dm.thaw()
+        d.wait_for(lambda: m.counters()["connected"] and w.counters()["connected"],
+                   what="the manager and the worker to connect once the daemon resumes")
+        ctx = self.api.ReqContext(req_id="thawed")
+        ks = [rs.key(i, "frozen-spec-start") for i in range(2)]
+        out = d.wait_for(lambda: (lambda o: o if o is not None and o.keys_to_store else None)(m.prepare_store(ks, ctx)),
+                         what="stores let through")
+        self.assertTrue(self.transfer(w, True, out.store_spec, [1, 2]).success)
+        m.complete_store(out.keys_to_store, ctx)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), self.api.LookupResult.HIT)
+
+    def test_shutdown_with_a_frozen_daemon_returns_within_the_bound(self):
+        dm = self.own_daemon()
+        spec = self.spec(socket=dm.socket, reconnect_s=0.05, daemon_wait_s=BOUND)
+        m = self.manager(spec)
+        w, _ = self.worker(spec, seed=2)
+        ctx = self.api.ReqContext(req_id="stopping")
+        ks = [rs.key(i, "frozen-spec-stop") for i in range(2)]
+        out = d.wait_for(lambda: (lambda o: o if o is not None and o.keys_to_store else None)(m.prepare_store(ks, ctx)),
+                         what="stores let through")
+        dm.freeze()
+        try:
+            self.assertTrue(w.submit_store(99, self.gpu([1, 2]), out.store_spec))  # never answered
+            d.wait_for(lambda: w.counters()["unsent_jobs"] == 0, what="the store sent to the frozen daemon")
+            m.lookup(rs.key(9, "frozen-spec-stop"), ctx)  # a pin round the frozen daemon never answers
+            _, took_w = timed("spec worker shutdown, frozen daemon", w.shutdown)
+            _, took_m = timed("spec manager shutdown, frozen daemon", m.shutdown)
+            self.assertLess(took_w, BOUND + MARGIN, "the worker's shutdown waited on the frozen daemon")
+            self.assertLess(took_m, BOUND + MARGIN, "the manager's shutdown waited on the frozen daemon")
+        finally:
+            dm.thaw()
 
 
 if __name__ == "__main__":

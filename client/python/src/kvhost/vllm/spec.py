@@ -27,7 +27,8 @@ from .. import protocol as p
 from ..client import KvhostError
 from . import _metrics
 from . import spec_compat as sc
-from ._common import DaemonAbsent, Reconnects, absent_if_stopping, lost_connection, open_client, reason
+from ._common import (DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, lost_connection, open_client, reason,
+                      setup_timeout)
 from ._namespace import check_served
 
 # vLLM configures only its "vllm" logger (and stops propagation there):
@@ -157,7 +158,9 @@ class SpecManager(Reconnects):
         """A connection that pins, with every namespace (rank × group)
         declared: (client, {(rank, group): Namespace})."""
         o = self._opts
-        client = open_client(o["socket"], o["client_name"], o["request_timeout_s"],
+        # The handshake and the declarations wait daemon_wait_s at most (a
+        # start runs in vLLM's call), later requests request_timeout_s.
+        client = open_client(o["socket"], o["client_name"], setup_timeout(o),
                              " (set the spec option \"socket\" or KVHOST_SOCKET)")
         try:
             try:
@@ -175,9 +178,11 @@ class SpecManager(Reconnects):
                     # The spec's keys live on kvhost mounts only: a vllm-fs
                     # mount set to serve its namespace holds other bytes.
                     check_served(ns[(r, g)].fingerprint, geo)
+            client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             client.close()
             absent_if_stopping(e, o["socket"])
+            absent_if_late(e, o["socket"])
             raise
         return client, ns
 
@@ -830,16 +835,25 @@ class SpecManager(Reconnects):
 
     def shutdown(self):
         """Stops the pin thread and closes the connection (the daemon
-        releases this manager's pins). Idempotent."""
+        releases this manager's pins); daemon_wait_s at most, however the
+        daemon fares: the pin thread's request is ended by the close.
+        Idempotent."""
         with self._cv:
             if self._closing:
                 return
             self._closing = True
             self._cv.notify_all()
-        self._thread.join()
-        self._join_reconnectors()
-        if self._client is not None:  # None: no daemon ever answered
-            self._client.close()
+            client = self._client
+        until = time.monotonic() + self._opts["daemon_wait_s"]
+        self._thread.join(self._opts["daemon_wait_s"])
+        if client is not None:  # None: no daemon ever answered
+            client.close()  # ends a request the pin thread still waits on
+        self._thread.join(max(0.0, until - time.monotonic()) + 0.2)
+        self._join_reconnectors(until)
+        with self._lock:
+            client = self._client
+        if client is not None:
+            client.close()
 
 
 class _SpecImpl:

@@ -29,8 +29,8 @@ import typing
 from .. import protocol as p
 from ..client import Geometry
 from . import _namespace as ns_
-from ._common import (OffloadingEvent, RequestOffloadingContext, UnsupportedVLLM,  # noqa: F401 (re-exported)
-                      check_request_timeout, check_seconds, daemon_key, merge_options, missing_features,
+from ._common import (DAEMON_WAIT_S, OffloadingEvent, RequestOffloadingContext,  # noqa: F401 (re-exported)
+                      UnsupportedVLLM, check_daemon_wait, check_request_timeout, check_seconds, daemon_key, merge_options, missing_features,
                       pick_medium, unsupported, vllm_installed, vllm_version)
 from ._compat import stats_class
 from ._namespace import IdentityUnknown  # noqa: F401 (re-exported)
@@ -162,6 +162,7 @@ OPTIONS = {
     "job_timeout_s": 120.0,     # worker: wait() asks to cancel a job not done after this (and waits on)
     "reconnect_s": 1.0,         # after a lost daemon connection, how often to connect again (0: never)
     "request_timeout_s": 30.0,  # how long a request waits for the daemon's reply, a send for its reading
+    "daemon_wait_s": DAEMON_WAIT_S,  # the longest start and shutdown wait on the daemon
     "load_retry_s": 30.0,       # worker: a load lost with the connection is loaded again for this long
     "client_name": "vllm-spec",
     "max_events": 1 << 16,
@@ -209,6 +210,7 @@ def options(config):
     check_seconds(o, ("pin_lease_s", "hit_window_s", "lookup_wait_s", "stored_ttl_s", "miss_ttl_s", "job_timeout_s",
                       "reconnect_s", "load_retry_s"))
     check_request_timeout(o)
+    check_daemon_wait(o)
     if not 0 < o["hit_window_s"] <= o["pin_lease_s"] / 2:
         raise ValueError(f"kvhost.vllm: hit_window_s: want > 0 and at most half of pin_lease_s "
                          f"({o['pin_lease_s']}), got {o['hit_window_s']!r}")

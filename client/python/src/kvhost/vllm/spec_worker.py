@@ -17,8 +17,9 @@ import time
 from .. import protocol as p
 from ..client import ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
-from ._common import (DaemonAbsent, Reconnects, absent_if_stopping, lost_connection, mapping_of as _mapping_of, open_client,
-                      open_mapped as _open_mapped, reason, vllm_installed, wait_ended)
+from ._common import (DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, lost_connection,
+                      mapping_of as _mapping_of, open_client, open_mapped as _open_mapped, reason, setup_timeout,
+                      vllm_installed, wait_ended)
 from ._namespace import IdentityUnknown
 
 log = logging.getLogger("vllm.kvhost")
@@ -318,7 +319,9 @@ class SpecWorker(Reconnects):
         """A connection with every group's namespace declared and its
         tensors registered: (client, regions, caches, namespace models)."""
         o = self._opts
-        client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", o["request_timeout_s"])
+        # The handshake and the registrations wait daemon_wait_s at most
+        # (a start runs in vLLM's call), later requests request_timeout_s.
+        client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", setup_timeout(o))
         regions, caches, names = {}, [], []
         try:
             self._join_group(client)
@@ -332,9 +335,11 @@ class SpecWorker(Reconnects):
                     layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
                     blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
                 caches.append((client.register_cache(ns, layers), blocks))
+            client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             client.close()
             absent_if_stopping(e, o["socket"])
+            absent_if_late(e, o["socket"])
             raise
         return client, regions, caches, names
 
@@ -798,13 +803,12 @@ class SpecWorker(Reconnects):
         self._client, self._regions, self._caches, self.namespaces = new
 
     def shutdown(self):
-        """Waits for the jobs in flight (job_timeout_s in all: the process
+        """Waits for the jobs in flight (daemon_wait_s in all: the process
         is going, and its memory with it), then closes the connection (the
         daemon drops the registrations). Idempotent."""
         with self._lock:
             ids = list(self._transfers)
-        limit = self._opts["job_timeout_s"]
-        until = time.monotonic() + limit if limit else None
+        until = time.monotonic() + self._opts["daemon_wait_s"]
         self._wait(ids, until)
         with self._cv:
             self._closing = True
@@ -812,11 +816,11 @@ class SpecWorker(Reconnects):
             sender = self._sender
         with self._send_lock:  # a send under way ends first; no other begins
             pass
-        self._join_reconnectors()
+        self._join_reconnectors(until)
         if sender is not None:
             # It ends once the mark it waits on (if any) is passed; a GPU
             # that never passes it must not hold the process's exit.
-            sender.join(None if until is None else max(0.0, until - time.monotonic()))
+            sender.join(max(0.0, until - time.monotonic()))
         with self._lock:
             client = self._client
         if client is not None:  # None: no daemon ever answered

@@ -1113,6 +1113,10 @@ class _TierImpl(Reconnects):
             # Ends at once what still waits on the daemon: a lookup, a
             # cancel (each waits request_timeout_s otherwise).
             s.client.close()
+        with self._cv:  # the job threads given up at until unwind (their frames hold rows)
+            grace = time.monotonic() + 0.2
+            while self._runs and (left := grace - time.monotonic()) > 0:
+                self._cv.wait(left)
         self._pool.shutdown(wait=False)
         self._lookup_thread.join(max(0.0, until - time.monotonic()) + 0.2)
         self._join_reconnectors(until)
@@ -1128,5 +1132,8 @@ class _TierImpl(Reconnects):
             s.client.close()  # its jobs ended, or shutdown gave up on them
         if self._staging is not None:
             self._staging_rows = None
-            self._staging.close()
+            try:
+                self._staging.close()
+            except BufferError as e:  # a job thread given up at shutdown still holds it: the exit frees it
+                log.warning("kvhost tier: staging memory left to the process's exit: %s", e)
             self._staging = None
