@@ -91,6 +91,7 @@ func (r *remover) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRe
 		return droppedKey{}
 	}
 	r.published(d.En, reasonOf(why))
+	r.toldOrphan(d.En, d.Remove && !d.Claimed)
 	left := r.dropped(ctx, d.En, d.Claimed, d.Rec, why)
 	return droppedKey{en: d.En, keys: d.Keys, left: left, kept: !d.Remove}
 }

@@ -30,13 +30,17 @@ func (r *remover) drop(ctx context.Context, en *entry, remove bool, why string) 
 	return r.dropAs(ctx, en, remove, why, reasonOf(why))
 }
 
-// dropAs is drop, its keys' removal recorded for reason (published).
+// dropAs is drop, its keys' removal recorded for reason (published);
+// reason 0 records nothing: the caller does (dropReplaced).
 func (r *remover) dropAs(ctx context.Context, en *entry, remove bool, why string, reason removals.Reason) bool {
 	was, claimed, rec := r.ix.Drop(en, remove, r.now().UnixNano())
 	if !was {
 		return false
 	}
-	r.published(en, reason)
+	if reason != 0 {
+		r.published(en, reason)
+		r.toldOrphan(en, remove && !claimed)
+	}
 	r.dropped(ctx, en, claimed, rec, why)
 	return true
 }
@@ -86,6 +90,7 @@ func (r *remover) endRelease(path string, fl *flight, orphans []*entry) {
 		close(fl.Done)
 		return
 	}
+	r.publishOrphans(orphans)
 	_, left, at := r.disposeIfSame(path, orphans, false)
 	r.releaseRemoved(path, orphans, left, at)
 }
@@ -141,6 +146,18 @@ func (r *remover) removeAt(at string, en *entry) (left bool) {
 // own doing, not a vanishing. It reports whether this call dropped en.
 func (r *remover) dropVanished(ctx context.Context, en *entry, why string) bool {
 	if !r.dropAs(ctx, en, false, why, removals.Vanished) {
+		return false
+	}
+	r.vanished.Add(1)
+	return true
+}
+
+// dropReplaced is dropVanished of en, whose file another file replaced
+// at its path, but for the record of its keys' removal, which the caller
+// makes (published, Vanished) once it has indexed the new file: a key the
+// new file holds is still stored, and gets none.
+func (r *remover) dropReplaced(ctx context.Context, en *entry, why string) bool {
+	if !r.dropAs(ctx, en, false, why, 0) {
 		return false
 	}
 	r.vanished.Add(1)

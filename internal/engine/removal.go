@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -53,6 +54,11 @@ type remover struct {
 	// while it has subscribers (removalfeed.go).
 	feed  removals.Feed
 	sweep vanishSweep
+	// told holds the entries dropped while a job of this engine held
+	// their paths (orphans, which that job removes: endRelease) whose
+	// removal a drop recorded already (toldOrphan); endRelease records
+	// the others, evictions' (publishOrphans).
+	told sync.Map // *entry -> struct{}
 }
 
 // published records the removal of the keys of en, which has just left
@@ -71,6 +77,35 @@ func (r *remover) published(en *entry, reason removals.Reason) {
 		recs = append(recs, removals.Record{FP: en.FP, Key: k, Reason: reason, Mount: en.Mount, To: removals.NoMount})
 	}
 	r.feed.Publish(recs...)
+}
+
+// toldOrphan marks en, whose keys' removal a drop has just recorded
+// (published), as told where the drop left its file to the job that
+// holds its path (orphan): endRelease records it no second time.
+func (r *remover) toldOrphan(en *entry, orphan bool) {
+	if orphan && r.feed.Recording() {
+		r.told.Store(en, struct{}{})
+	}
+}
+
+// publishOrphans records the removal of the keys of orphans, entries
+// dropped while a job of this engine held their paths, whose files that
+// job is about to remove, but for those a drop recorded already
+// (toldOrphan): an eviction's (index.Evict and EvictID leave the file of
+// a held path to its holder, and evictClaimed records only the files
+// the eviction removes itself). A key the holder's own file holds now
+// (a store that published at the path) is still stored: no record.
+func (r *remover) publishOrphans(orphans []*entry) {
+	for _, en := range orphans {
+		if _, ok := r.told.LoadAndDelete(en); ok || !r.feed.Recording() {
+			continue
+		}
+		reason := removals.Evicted
+		if r.mounts[en.Mount].cluster != nil {
+			reason = removals.ClusterEvicted
+		}
+		r.published(en, reason)
+	}
 }
 
 // movedKeys records that the keys of en, a move's source, are now in to,

@@ -7,6 +7,7 @@ import (
 	"os"
 	"slices"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
@@ -320,5 +321,114 @@ func BenchmarkOtherNodeRemovalLag(b *testing.B) {
 	if len(lags) > 0 {
 		b.ReportMetric(float64(lags[len(lags)/2].Milliseconds()), "p50-ms")
 		b.ReportMetric(float64(lags[len(lags)*99/100].Milliseconds()), "p99-ms")
+	}
+}
+
+// TestAnEvictionOfAHeldPathIsRecordedWhenItsHolderRemovesTheFile: files
+// evicted while a job of the engine holds their paths are removed by
+// that job when it lets the path go (orphans): each key is recorded
+// evicted then, once; a key deleted while its path was held is recorded
+// deleted once, not again when the holder removes the file.
+func TestAnEvictionOfAHeldPathIsRecordedWhenItsHolderRemovesTheFile(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 8 * (4096 + g.KeyBytes()), HighWatermark: 0.9, LowWatermark: 0.5}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	sub := subscribe(t, e)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := &node{e: e, ns: ns, c: newTestCache(t, e, ns, g, 64, layoutPlaneFirst)}
+	r := rand.New(rand.NewPCG(5, 5))
+	held := storeKeys(t, n, "held", 6, r)
+	var paths []string
+	for _, k := range held {
+		p := e.find(e.tables.get(ns), k).Path
+		if ok, _, _ := e.ix.Claim(p); !ok {
+			t.Fatalf("path %s already held", p)
+		}
+		paths = append(paths, p)
+	}
+	if d, err := e.Delete(ctx, ns, held[5:]); d != 1 || err != nil {
+		t.Fatalf("delete: %d, %v", d, err)
+	}
+	more := storeKeys(t, n, "more", 3, r) // evicts held files: orphans, their paths held
+	if e.Stats().Evictions == 0 {
+		t.Fatal("nothing evicted")
+	}
+	recs := feedRecords(t, sub)
+	if len(recs) == 0 || recs[0].Key != string(held[5]) || recs[0].Reason != removals.Deleted {
+		t.Fatalf("records %+v: want the delete first", recs)
+	}
+	for _, rec := range recs[1:] {
+		if strings.HasPrefix(rec.Key, "held") {
+			t.Fatalf("record %+v while its path is held", rec)
+		}
+	}
+	for _, p := range paths {
+		e.rm.release(p)
+	}
+	recs = append(recs[1:], feedRecords(t, sub)...)
+	gone := missing(t, e, ns, append(held[:5:5], more...))
+	var got []string
+	for _, rec := range recs {
+		if rec.Reason != removals.Evicted {
+			t.Fatalf("record %+v: want evicted", rec)
+		}
+		got = append(got, rec.Key)
+	}
+	sort.Strings(got)
+	sort.Strings(gone)
+	if !slices.ContainsFunc(gone, func(k string) bool { return strings.HasPrefix(k, "held") }) || !slices.Equal(got, gone) {
+		t.Fatalf("records of %v once the paths were let go; want exactly the evicted %v, held ones among them", got, gone)
+	}
+	e.rm.told.Range(func(k, _ any) bool {
+		t.Errorf("entry %s left in told", k.(*entry).Path)
+		return true
+	})
+}
+
+// TestAKeyAnotherNodeStoresAgainAtItsPathIsNoRemoval: node A has indexed
+// node B's file of a key; B deletes the key and stores it again (a new
+// file at the path). A's load finds the new file and reads it: A records
+// no removal of the key; once B deletes it for good, A's next load records
+// it vanished, once.
+func TestAKeyAnotherNodeStoresAgainAtItsPathIsNoRemoval(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	a, b := openNode(t, dir, "a", nil, 1), openNode(t, dir, "b", nil, 1)
+	sub := subscribe(t, a.e)
+	r := rand.New(rand.NewPCG(4, 2))
+	key := storeKeys(t, b, "again", 1, r)
+	if n, err := a.e.Lookup(ctx, a.ns, key); n != 1 || err != nil {
+		t.Fatalf("A's lookup of B's key: %d, %v", n, err)
+	}
+	if n, err := b.e.Delete(ctx, b.ns, key); n != 1 || err != nil {
+		t.Fatalf("B's delete: %d, %v", n, err)
+	}
+	b.c.fill(r, []int{4, 5, 6, 7})
+	storeAndCheck(t, b.e, b.c, key, [][]int{{4, 5, 6, 7}})
+	load := func() Outcome {
+		res := wait(t)(a.e.Load(ctx, LoadRequest{Cache: a.c.id, Keys: key, Blocks: [][]int{{8, 9, 10, 11}}}))
+		return res.Keys[0].Outcome
+	}
+	if o := load(); o != OutcomeLoaded {
+		t.Fatalf("A's load of the key B stored again: %v", o)
+	}
+	if v := a.e.Stats().Vanished; v != 1 {
+		t.Fatalf("A counted %d files vanished, want B's first (replaced at its path)", v)
+	}
+	if recs := feedRecords(t, sub); len(recs) != 0 {
+		t.Fatalf("records %+v of a key still stored", recs)
+	}
+	if n, err := b.e.Delete(ctx, b.ns, key); n != 1 || err != nil {
+		t.Fatalf("B's second delete: %d, %v", n, err)
+	}
+	if o := load(); o != OutcomeMissing {
+		t.Fatalf("A's load of the key B deleted: %v", o)
+	}
+	if recs := feedRecords(t, sub); len(recs) != 1 || recs[0].Key != string(key[0]) || recs[0].Reason != removals.Vanished {
+		t.Fatalf("records %+v, want the key vanished once", recs)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"syscall"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/format"
 )
 
@@ -158,8 +159,11 @@ func (s sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *en
 	}
 	// Another file at the path (another node published there, maybe at
 	// the same inode): the entry goes; the file is indexed anew if it
-	// holds what is asked, and read like any file.
-	s.e.rm.dropVanished(ctx, en, "replaced")
+	// holds what is asked, and read like any file. The removal feed is
+	// told of the keys the new file does not hold, once it is indexed.
+	if s.e.rm.dropReplaced(ctx, en, "replaced") {
+		defer s.e.rm.published(en, removals.Vanished)
+	}
 	// A row is exactly its length (rawEntry); a longer file is not this
 	// geometry's row, whatever its first bytes.
 	if m.raw != nil && id.Size > h.FileLen() {
