@@ -51,10 +51,11 @@ const removalQueue = 256
 // its batches, which Next returns in order. Its queue is bounded: a reader
 // that falls more than 256 batches behind gets a resync in place of them.
 type RemovalSubscription struct {
-	c     *Client
-	id    uint32
-	epoch uint64
-	first RemovalCursor // the daemon's epoch and last when it subscribed
+	c      *Client
+	id     uint32
+	epoch  uint64
+	first  RemovalCursor // the daemon's epoch and last when it subscribed
+	mounts []string      // the daemon's mounts' device classes
 
 	mu     sync.Mutex
 	queue  []RemovalBatch
@@ -114,7 +115,7 @@ func (c *Client) subscribed(m *protocol.RemovalsSubscribed) {
 		c.subs = make(map[uint32]*RemovalSubscription)
 	}
 	cur := RemovalCursor{Epoch: m.Epoch, Last: m.Last}
-	c.subs[m.Subscription] = &RemovalSubscription{c: c, id: m.Subscription, epoch: m.Epoch, first: cur, cursor: cur, wake: make(chan struct{})}
+	c.subs[m.Subscription] = &RemovalSubscription{c: c, id: m.Subscription, epoch: m.Epoch, first: cur, cursor: cur, mounts: m.Mounts, wake: make(chan struct{})}
 }
 
 // removals hands a Removals event to its subscription; one of a
@@ -213,6 +214,11 @@ func (s *RemovalSubscription) Cursor() RemovalCursor {
 // Subscribed is the daemon's epoch and last sequence number when the
 // subscription was made.
 func (s *RemovalSubscription) Subscribed() RemovalCursor { return s.first }
+
+// Mounts are the device classes of the daemon's mounts ("memory", "nvme",
+// "ssd", "hdd", "network", "unknown") by the index a Removal's Mount and
+// To name: the medium a key left, or moved to.
+func (s *RemovalSubscription) Mounts() []string { return s.mounts }
 
 // Close ends the subscription: the daemon sends none of its batches after
 // its answer, and Next returns ErrClosed once the batches queued are read.

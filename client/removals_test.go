@@ -97,6 +97,9 @@ func TestARemovalStreamResumesFromItsCursor(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if m := sub.Mounts(); len(m) != 1 || m[0] == "" {
+		t.Fatalf("mounts %q: want the daemon's one mount's class", m)
+	}
 	if n, err := worker.Delete(ctx, tc.ns.ID, keys[:2]); n != 2 || err != nil {
 		t.Fatalf("delete: %d, %v", n, err)
 	}

@@ -107,14 +107,28 @@ type RemovalsSubscribed struct {
 	Subscription uint32
 	Epoch        uint64
 	Last         uint64
+	// Mounts are the device classes of the daemon's mounts by the index
+	// a Removal's Mount and To name ("memory", "nvme", "ssd", "hdd",
+	// "network", "unknown"; each at most MaxName bytes): a client's map
+	// from a mount to its medium.
+	Mounts []string
 }
 
 // Type is the reply to TypeSubscribeRemovals.
 func (*RemovalsSubscribed) Type() Type { return TypeSubscribeRemovals | TypeReply }
 
-// AppendBody encodes: u32 subscription | u64 epoch | u64 last.
+// MaxRemovalMounts bounds the mounts of a RemovalsSubscribed.
+const MaxRemovalMounts = 256
+
+// AppendBody encodes: u32 subscription | u64 epoch | u64 last | u16
+// mounts | per mount: str8 device class.
 func (m *RemovalsSubscribed) AppendBody(b []byte) []byte {
-	return appendU64(appendU64(appendU32(b, m.Subscription), m.Epoch), m.Last)
+	b = appendU64(appendU64(appendU32(b, m.Subscription), m.Epoch), m.Last)
+	b = appendU16(b, uint16(len(m.Mounts)))
+	for _, c := range m.Mounts {
+		b = appendStr8(b, c, MaxName)
+	}
+	return b
 }
 
 // DecodeBody decodes a RemovalsSubscribed; bytes after its fields (a
@@ -122,6 +136,17 @@ func (m *RemovalsSubscribed) AppendBody(b []byte) []byte {
 func (m *RemovalsSubscribed) DecodeBody(b []byte) error {
 	d := decoder{b: b}
 	m.Subscription, m.Epoch, m.Last = d.u32("subscription"), d.u64("epoch"), d.u64("last")
+	n := int(d.u16("mount count"))
+	if d.err == nil && n > MaxRemovalMounts {
+		d.fail("mount count %d: at most %d", n, MaxRemovalMounts)
+	}
+	if d.err != nil {
+		return d.err
+	}
+	m.Mounts = make([]string, n)
+	for i := range m.Mounts {
+		m.Mounts[i] = d.str8("mount class", MaxName)
+	}
 	return d.err
 }
 

@@ -10,7 +10,8 @@ func removalMessages() []Message {
 	return []Message{
 		&SubscribeRemovals{Epoch: 0, Since: 0, NS: []uint32{}},
 		&SubscribeRemovals{Epoch: 0xfeed, Since: 41, NS: []uint32{1, 7}},
-		&RemovalsSubscribed{Subscription: 3, Epoch: 0xfeed, Last: 99},
+		&RemovalsSubscribed{Subscription: 3, Epoch: 0xfeed, Last: 99, Mounts: []string{"memory", "nvme"}},
+		&RemovalsSubscribed{Subscription: 4, Mounts: []string{}},
 		&UnsubscribeRemovals{Subscription: 3},
 		&Empty{T: TypeUnsubscribeRemovals | TypeReply},
 		&Removals{Subscription: 3, Resync: true, Last: 120, Records: []Removal{}},
@@ -49,6 +50,8 @@ func TestRemovalMessagesRejectBadBodies(t *testing.T) {
 		{"subscribe trailing", TypeSubscribeRemovals, append(body(&SubscribeRemovals{NS: []uint32{1}}), 0)},
 		{"subscribe short", TypeSubscribeRemovals, body(&SubscribeRemovals{NS: []uint32{1}})[:20]},
 		{"unsubscribe trailing", TypeUnsubscribeRemovals, append(body(&UnsubscribeRemovals{Subscription: 1}), 0)},
+		{"subscribed without its mounts", TypeSubscribeRemovals | TypeReply, body(&RemovalsSubscribed{Mounts: []string{"nvme"}})[:20]},
+		{"subscribed mount class cut short", TypeSubscribeRemovals | TypeReply, body(&RemovalsSubscribed{Mounts: []string{"nvme"}})[:24]},
 	} {
 		if _, err := Decode(tc.t, tc.body); !errors.Is(err, ErrMalformed) {
 			t.Errorf("%s: %v, want ErrMalformed", tc.name, err)

@@ -39,11 +39,19 @@ type vanishSweep struct {
 
 // Removals returns the engine's removal feed: every key that leaves the
 // index (evicted, deleted, purged, corrupt, vanished) and every key a
-// move takes to another mount, from its first subscription on. The first
-// call starts the sweep that finds the files other nodes removed on a
-// shared mount; the feed is closed when the engine is.
+// move takes to another mount, from its first subscription on, and the
+// mounts' device classes. The first call starts the sweep that finds the
+// files other nodes removed on a shared mount; the feed is closed when
+// the engine is.
 func (e *Engine) Removals() *removals.Feed {
-	e.rm.sweep.once.Do(func() { go e.sweepVanished() })
+	e.rm.sweep.once.Do(func() {
+		classes := make([]string, len(e.mounts))
+		for i, m := range e.mounts {
+			classes[i] = className(m.desc.class)
+		}
+		e.rm.feed.SetMounts(classes)
+		go e.sweepVanished()
+	})
 	return &e.rm.feed
 }
 

@@ -91,7 +91,7 @@ func (s *session) subscribeRemovals(m *protocol.SubscribeRemovals) (reply protoc
 			s.stream(ctx, id, sub)
 		}()
 	}
-	return &protocol.RemovalsSubscribed{Subscription: id, Epoch: epoch, Last: last}, start, nil
+	return &protocol.RemovalsSubscribed{Subscription: id, Epoch: epoch, Last: last, Mounts: feed.Mounts()}, start, nil
 }
 
 // stream pushes sub's batches as Removals events of subscription id until

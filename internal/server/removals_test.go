@@ -52,8 +52,8 @@ func subscribeRaw(t *testing.T, r *rawConn) *protocol.RemovalsSubscribed {
 		t.Fatal(err)
 	}
 	sm, ok := m.(*protocol.RemovalsSubscribed)
-	if !ok {
-		t.Fatalf("answered %#v", m)
+	if !ok || len(sm.Mounts) != 1 {
+		t.Fatalf("answered %#v: want a subscription naming the daemon's one mount", m)
 	}
 	return sm
 }

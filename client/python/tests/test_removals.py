@@ -61,6 +61,8 @@ class TestRemovalsEncoding(unittest.TestCase):
         with self.assertRaises(p.ProtocolError):
             p.decode_removals(body + b"x")
         self.assertEqual(p.subscribe_removals(1, 2, [3]), struct.pack("<QQII", 1, 2, 1, 3))
+        self.assertEqual(p.decode_subscribed(struct.pack("<IQQH", 4, 5, 6, 2) + b"\x06memory\x04nvme"),
+                         (4, 5, 6, ["memory", "nvme"]))
 
 
 class TestRemovalsAgainstADaemon(unittest.TestCase):
@@ -75,6 +77,8 @@ class TestRemovalsAgainstADaemon(unittest.TestCase):
         self.assertTrue(router.supports_removals)
         ns = router.declare(GEOMETRY)
         sub = router.subscribe_removals([ns])
+        self.assertEqual(len(sub.mounts), 1, sub.mounts)  # the daemon's one mount
+        self.assertIn(sub.mounts[0], ("memory", "nvme", "ssd", "hdd", "network", "unknown"))
         self.assertEqual(worker.delete(wns, keys[:2]), 2)
         self.assertEqual(removed(self, sub, 2, "deleted"), keys[:2])
         cursor = sub.cursor

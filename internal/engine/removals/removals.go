@@ -24,6 +24,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -131,9 +132,27 @@ type Feed struct {
 	wake   chan struct{}
 	closed bool
 
+	mounts []string // the mounts' device classes, by mount index (SetMounts)
+
 	published   atomic.Uint64
 	resyncs     atomic.Uint64
 	subscribers atomic.Int64
+}
+
+// SetMounts names the device class of each mount ("memory", "nvme",
+// "ssd", "hdd", "network", "unknown"), by the index records carry: what a
+// subscriber maps a record's mount to a medium by.
+func (f *Feed) SetMounts(classes []string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.mounts = slices.Clone(classes)
+}
+
+// Mounts returns the mounts' device classes (SetMounts).
+func (f *Feed) Mounts() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.mounts)
 }
 
 // SetSize sets the records the ring holds (at least 1). It fails once

@@ -344,9 +344,13 @@ class RemovalSubscription:
     missed, as it does when it falls behind the daemon's ring. Safe to use
     from any thread."""
 
-    def __init__(self, client, sub_id, epoch, last, max_batches):
+    def __init__(self, client, sub_id, epoch, last, mounts, max_batches):
         self._client, self.id, self._epoch = client, sub_id, epoch
         self.subscribed = (epoch, last)  # the daemon's epoch and last sequence number then
+        # The device class of each of the daemon's mounts ("memory",
+        # "nvme", "ssd", "hdd", "network", "unknown"), by the index a
+        # Removal's mount and to name: the medium a key left or moved to.
+        self.mounts = tuple(mounts)
         self._cursor = (epoch, last)
         self._cond = threading.Condition()
         self._queue = []
@@ -688,8 +692,8 @@ class Client:
                         self._jobs[job_id] = job
                     if pend is not None and pend.asked == p.T_SUBSCRIBE_REMOVALS and ftype == pend.asked | p.T_REPLY:
                         # Made before the next frame: its first event.
-                        sub_id, epoch, last = p.decode_subscribed(body)
-                        self._subs[sub_id] = RemovalSubscription(self, sub_id, epoch, last, 256)
+                        sub_id, epoch, last, mounts = p.decode_subscribed(body)
+                        self._subs[sub_id] = RemovalSubscription(self, sub_id, epoch, last, mounts, 256)
                     self._pending.pop(req_id, None)
                 if pend is None:
                     if req_id == 0 and ftype == p.T_ERROR:

@@ -123,7 +123,7 @@ _REPLY_SIZES = {T_HELLO: 33, T_REGISTER_MEMORY: 16, T_UNREGISTER_MEMORY: 0, T_DE
                 T_REGISTER_CACHE: 4, T_UNREGISTER_CACHE: 0, T_LOOKUP: 4, T_STORE: 8, T_LOAD: 8,
                 T_CANCEL: 1, T_DELETE: 4, T_STATS: 132, T_UNDECLARE: 0, T_PIN: 12, T_UNPIN: 4,
                 T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12, T_GROUP: 0, T_LOAD_LAYERS: 8,
-                T_SUBSCRIBE_REMOVALS: 20, T_UNSUBSCRIBE_REMOVALS: 0}
+                T_SUBSCRIBE_REMOVALS: 22, T_UNSUBSCRIBE_REMOVALS: 0}
 
 
 def reply_problem(asked, ftype, body):
@@ -503,8 +503,17 @@ def subscribe_removals(epoch, since, namespaces):
 
 
 def decode_subscribed(body):
-    """A RemovalsSubscribed reply: (subscription, epoch, last)."""
-    return struct.unpack_from("<IQQ", body)
+    """A RemovalsSubscribed reply: (subscription, epoch, last, [the
+    device class of each mount, by the index removals name])."""
+    sub, epoch, last, n = struct.unpack_from("<IQQH", body)
+    off, mounts = 22, []
+    for _ in range(n):
+        k = body[off]
+        mounts.append(bytes(body[off + 1:off + 1 + k]).decode("utf-8", "replace"))
+        off += 1 + k
+    if off > len(body):
+        raise ProtocolError(f"RemovalsSubscribed of {len(body)} bytes: its {n} mount classes run past it")
+    return sub, epoch, last, mounts
 
 
 _REMOVAL = struct.Struct("<QQBBHHQB")  # seq, fingerprint, reason, pad, mount, to, time, key length
