@@ -51,10 +51,17 @@ other ranks save the same step after rank 0 (untimed): the scheduler
 claims a key only where every rank holds it. A rank's GB/s is its bytes
 over its own time (its first submission to its last completion, the
 device synchronized); the total is every rank's bytes over the time from
-the earliest start to the latest end. The keys of a run are deleted after
-it (llm-d's files removed), and --pause seconds pass between a store and
-its load and between runs (the daemon registers stored files with CUDA
-in the background: without the pause loads would find them unregistered).
+the earliest start to the latest end.
+
+Before the runs every rank stores --fill GiB of other keys (untimed; by
+default as much as the capacity of the daemon started here, three times a
+run's keys), so that the runs' stores land in a full cache and write into
+the files it evicts, as on a node in use (kept as spares: registered with
+CUDA where the daemon registers files) rather than into fresh files. The
+runs' keys stay (the next runs evict them); llm-d's files are removed
+after each run. --pause seconds pass between a store and its load and
+between runs (the daemon registers files it has not registered yet in the
+background).
 
 The daemon started here serves DIR as one mount with registered tmpfs files
 (the default: gpu.register_files) or, with --pinned, through the pinned
@@ -121,7 +128,8 @@ def parse_args(argv=None):
                     help="the daemon's binary ($KVHOST_BIN, else bin/kvhost)")
     ap.add_argument("--pinned", action="store_true",
                     help="the started daemon uses the pinned staging pipeline only (gpu.register_files = 0)")
-    ap.add_argument("--capacity", help="the started daemon's mount capacity (default: three times a run's keys)")
+    ap.add_argument("--capacity", type=float,
+                    help="the started daemon's mount capacity in GiB (default: three times a run's keys)")
     ap.add_argument("--io-workers", type=int, default=0, help="the started daemon's engine.io_workers (0: default)")
     ap.add_argument("--metrics", help="the started daemon's metrics address (host:port): GPU path counters into "
                     "the report")
@@ -137,8 +145,11 @@ def parse_args(argv=None):
     ap.add_argument("--requests", type=int, default=4, help="the connector path's requests per step")
     ap.add_argument("--layers-per-load", type=int, default=4, help="the connector's layers_per_load")
     ap.add_argument("--layer-groups", default="ramp", choices=("ramp", "even"), help="the connector's layer_groups")
-    ap.add_argument("--pause", type=float, default=2.0,
+    ap.add_argument("--pause", type=float, default=1.0,
                     help="seconds between a store and its load, and between runs")
+    ap.add_argument("--fill", default="auto",
+                    help="GiB of untimed stores before the runs, so that their stores land in a full cache "
+                         "(auto: the started daemon's capacity; 0 with --socket)")
     ap.add_argument("--llmd", help="directory of a built llm-d storage_offload module (adds the llmd path)")
     ap.add_argument("--llmd-threads", type=int, default=16, help="each rank's llm-d engine's I/O threads")
     ap.add_argument("--json", help="write the report here")
@@ -173,6 +184,13 @@ def parse_args(argv=None):
     if a.tokens_per_key <= 0 or a.tokens_per_key % BLOCK_TOKENS:
         ap.error(f"--tokens-per-key {a.tokens_per_key}: want a positive multiple of {BLOCK_TOKENS}")
     a.requests = min(a.requests, a.keys)
+    if a.fill == "auto":
+        a.fill = None
+    else:
+        try:
+            a.fill = float(a.fill)
+        except ValueError:
+            ap.error(f"--fill {a.fill!r}: want GiB or auto")
     return a
 
 
@@ -293,8 +311,9 @@ class Rank:
                "cuda": torch.version.cuda, "cache_bytes": self.cache.numel() * 2, "key_bytes": self.sh.key_bytes}
         if self.cuda:
             n = torch.cuda.device_count()
+            uuid = kvhost.device_uuid(self.cache)
             out.update(device_count=n, gpus=[torch.cuda.get_device_name(i) for i in range(n)],
-                       uuid=memory.uuid_text(kvhost.device_uuid(self.cache)))
+                       uuid=memory.uuid_text(uuid) if uuid else None)
         if self.worker is not None:
             out["connector_layer_loads"] = self.worker.counters()["layer_loads"]
         return out
@@ -513,6 +532,7 @@ class Ranks:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA
         self.a, self.go = a, ctx.Event()
         self.pipes, self.procs = [], []
+        self.broken = False  # a rank failed or went silent: stop ends them without asking
         for r in range(a.ranks):
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=rank_main, args=(r, a, socket, theirs, self.go), daemon=True,
@@ -525,16 +545,20 @@ class Ranks:
 
     def _recv(self, r, want, timeout=None):
         pipe = self.pipes[r]
-        if not pipe.poll(timeout if timeout is not None else 2 * self.a.job_timeout + 60):
-            raise SystemExit(f"gpu-tp2: rank {r} sent no {want}")
         try:
-            kind, body = pipe.recv()
-        except EOFError:
-            raise SystemExit(f"gpu-tp2: rank {r} ended (exit code {self.procs[r].exitcode})") from None
-        if kind == "error":
-            raise SystemExit(f"gpu-tp2: rank {r} failed:\n{body}")
-        if kind != want:
-            raise SystemExit(f"gpu-tp2: rank {r} sent {kind}, want {want}")
+            if not pipe.poll(timeout if timeout is not None else 2 * self.a.job_timeout + 60):
+                raise SystemExit(f"gpu-tp2: rank {r} sent no {want}")
+            try:
+                kind, body = pipe.recv()
+            except EOFError:
+                raise SystemExit(f"gpu-tp2: rank {r} ended (exit code {self.procs[r].exitcode})") from None
+            if kind == "error":
+                raise SystemExit(f"gpu-tp2: rank {r} failed:\n{body}")
+            if kind != want:
+                raise SystemExit(f"gpu-tp2: rank {r} sent {kind}, want {want}")
+        except SystemExit:
+            self.broken = True
+            raise
         return body
 
     def call(self, ranks, cmd, timed=False, **kw):
@@ -553,13 +577,13 @@ class Ranks:
 
     def stop(self):
         for r, p in enumerate(self.procs):
-            if p.is_alive():
+            if p.is_alive() and not self.broken:
                 try:
                     self.pipes[r].send(("stop", False, {}))
                     self._recv(r, "done", 120)
                 except (SystemExit, OSError):
                     pass
-            p.join(30)
+            p.join(0 if self.broken else 30)
             if p.is_alive():
                 p.terminate()  # this process's own child, by its handle
                 p.join(10)
@@ -567,21 +591,16 @@ class Ranks:
 
 class Driver:
     """The runs: the ranks, the connector's scheduler half, and the
-    driver's own client (which deletes each run's keys)."""
+    driver's own client (the daemon's device counts for the report)."""
 
     def __init__(self, a, ranks, socket):
         self.a, self.ranks, self.socket = a, ranks, socket
         self.sh = Shape(a)
         self.tb = _ttft_bench()
         self.c = kvhost.Client(socket, name="gpu-tp2-driver", timeout=a.job_timeout)
-        self.client_ns = [self.c.declare(client_geometry(a, r)) for r in range(a.ranks)]
         self.sched = None
         if "connector" in a.paths:
-            from kvhost.vllm import connector
-            cfg = connector_config(a, 0, socket)
-            self.sched = connector_class()(None, "scheduler", config=cfg)
-            ident = connector.identity(cfg, connector.options(cfg.extra_config))
-            self.conn_ns = [self.c.declare(connector.geometry(ident, r)) for r in range(a.ranks)]
+            self.sched = connector_class()(None, "scheduler", config=connector_config(a, 0, socket))
         self.run_id = os.urandom(4).hex()
         self.runs = []
 
@@ -589,10 +608,22 @@ class Driver:
         if self.a.corrupt_stored:
             self.tb.corrupt_newest(self.a.dir)
 
-    def delete(self, nss, keys):
-        for ns in nss:
-            for i in range(0, len(keys), protocol.MAX_KEYS_PER_REQUEST):
-                self.c.delete(ns, keys[i:i + protocol.MAX_KEYS_PER_REQUEST])
+    def fill(self, nbytes):
+        """Untimed stores from every rank (the client path) of nbytes in
+        all: the cache is full before the first run, as a node's is, and
+        the runs' stores write into the files it evicts."""
+        every = list(range(self.a.ranks))
+        per_round = self.a.ranks * self.a.keys * self.sh.key_bytes
+        rounds = -(-int(nbytes) // per_round)
+        for i in range(rounds):
+            keys = [f"tp2-{self.run_id}-fill-{i}-{k}".encode() for k in range(self.a.keys)]
+            self.ranks.call(every, "refresh", seed=10 ** 9 + i)
+            bad = [x["errors"] for x in self.ranks.call(every, "client_store", True, keys=keys) if x["errors"]]
+            if bad:
+                raise SystemExit(f"gpu-tp2: the fill's stores failed: {bad}")
+        print(f"detail: filled the cache with {rounds * per_round / (1 << 20):.1f} MiB of keys ({rounds} rounds) "
+              f"before the runs", flush=True)
+        self.pause()
 
     def pause(self):
         if self.a.pause > 0:
@@ -609,7 +640,6 @@ class Driver:
             self.corrupt()
             self.pause()
             load = self.ranks.call(active, "client_load", True, keys=keys)
-            self.delete(self.client_ns, keys)
         elif path == "connector":
             store, load = self.connector(tag, active)
         else:
@@ -698,7 +728,6 @@ class Driver:
             for x in load:
                 x["errors"].append(f"the scheduler claimed {claimed} tokens of {want}")
         self.finish_step(loads, load)
-        self.delete(self.conn_ns, keys)
         return store, load
 
 
@@ -787,7 +816,8 @@ def scrape(addr):
     import urllib.request
     body = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
     return [line for line in body.splitlines() if line.startswith(("kvhost_gpu_direct", "kvhost_gpu_registered",
-                                                                   "kvhost_gpu_file"))]
+                                                                   "kvhost_gpu_file", "kvhost_reused",
+                                                                   "kvhost_spare_files", "kvhost_evictions"))]
 
 
 def main(argv=None):
@@ -799,6 +829,10 @@ def main(argv=None):
         os.environ["KVHOST_BIN"] = a.kvhost_bin
         sh = Shape(a)
         run_bytes = a.ranks * a.keys * sh.key_bytes
+        if a.capacity is None:
+            a.capacity = (3 * run_bytes + (256 << 20)) / (1 << 30)
+        if a.fill is None:
+            a.fill = a.capacity
         if a.io_workers:
             toml += f"[engine]\nio_workers = {a.io_workers}\n"
         if a.pinned:
@@ -806,8 +840,10 @@ def main(argv=None):
         if a.metrics:
             toml += f'[metrics]\nlisten = "{a.metrics}"\n'
         os.makedirs(a.dir, exist_ok=True)
-        daemon = Daemon(capacity=a.capacity or f"{(3 * run_bytes >> 20) + 256}MiB", dir=os.path.abspath(a.dir),
+        daemon = Daemon(capacity=f"{int(a.capacity * 1024)}MiB", dir=os.path.abspath(a.dir),
                         extra_toml=toml)
+    elif a.fill is None:
+        a.fill = 0.0
     socket = daemon.socket if daemon else a.socket
     ranks = driver = None
     failed = True
@@ -821,6 +857,8 @@ def main(argv=None):
                  if a.device == "cuda" and ngpu < a.ranks else "")
               + f"; key {driver.sh.key_bytes >> 10} KiB per rank, {a.keys} keys per rank and run; paths "
               f"{','.join(a.paths)}; pipeline {pipeline}; reps {a.reps}", flush=True)
+        if a.fill:
+            driver.fill(a.fill * (1 << 30))
         for rep in range(a.reps):
             for path in a.paths:
                 for mode in (a.modes if rep % 2 == 0 else a.modes[::-1]):

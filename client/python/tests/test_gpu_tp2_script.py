@@ -30,7 +30,8 @@ LINE = re.compile(r"tp2 path (\w+) mode (\w+) op (\w+) ranks (\d+) gbps_rank ([\
 RATIO = re.compile(r"tp2 ratio path (\w+) op (\w+) (\d+\.\d\d) pipeline (\w+)")
 VERSUS = re.compile(r"tp2 vs_llmd path (\w+) mode (\w+) op (\w+) rank ([\d.,]+) total (\d+\.\d\d) pipeline (\w+)")
 TINY = ["--device", "cpu", "--ranks", "2", "--layers", "2", "--kv-heads", "4", "--head-dim", "16",
-        "--tokens-per-key", "32", "--keys", "8", "--jobs", "2", "--requests", "2", "--pause", "0"]
+        "--tokens-per-key", "32", "--keys", "8", "--jobs", "2", "--requests", "2", "--pause", "0",
+        "--capacity", "0.002"]  # 2 MiB: the fill before the runs is 17 rounds of 128 KiB
 OPS = ("store", "load")
 
 
@@ -81,6 +82,9 @@ class TestGpuTp2Script(unittest.TestCase):
                                                 for m in ("alone", "together") for op in OPS))
         self.assertEqual(len(versus[("client", "together", "load")].group(4).split(",")), 2)
         self.assertEqual(left, [], "llm-d's files were left behind")
+        fill = re.search(r"detail: filled the cache with ([\d.]+) MiB of keys \((\d+) rounds\) before the runs", out.stdout)
+        self.assertIsNotNone(fill, out.stdout)
+        self.assertGreaterEqual(float(fill.group(1)), 2.0)  # the capacity, in 128 KiB rounds
 
         self.assertTrue(data["ok"])
         self.assertEqual(data["pipeline"], "registered")
