@@ -8,8 +8,11 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 MODELS=0 TORCH=0 RESTART=0 FOREIGN=0 (MULTI, one daemon serving
-# two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 MODELS=0 TORCH=0 RESTART=0 FOREIGN=0 TP2=0 (MULTI, one daemon serving
+# two GPUs, runs where nvidia-smi lists two or more and says so where not; so
+# does TP2, one daemon for a TP=2 engine's two worker processes, which
+# TP2_ONE_GPU=1 runs on one GPU too, both ranks on device 0, and TP2_LLMD=DIR
+# runs beside llm-d's engine built in DIR); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
 # the memory file system SHM (default /dev/shm/kvhost-gpu). WARM (GiB,
@@ -145,6 +148,30 @@ if [ "${MULTI:-1}" = 1 ]; then
 		done
 	else
 		echo "== multi: not run, this machine has $ngpu GPU (it needs two)"
+	fi
+fi
+if [ "${TP2:-1}" = 1 ]; then
+	# One daemon, one tensor-parallel engine (TP = 2): a worker process per
+	# GPU, each with its shard of the paged cache registered by CUDA IPC,
+	# storing and loading alone and both at once through the kvhost client
+	# and KvhostConnector's worker half (and llm-d's engine with TP2_LLMD),
+	# every loaded byte compared; registered tmpfs files, then the pinned
+	# pipeline (docs/gpu.md, "Two GPUs, one daemon").
+	ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+	if [ "$ngpu" -ge 2 ] || [ "${TP2_ONE_GPU:-0}" = 1 ]; then
+		[ "$ngpu" -ge 2 ] || echo "== tp2: $ngpu GPU: both ranks on device 0 (TP2_ONE_GPU=1), a functional check, not the two-GPU figure"
+		llmd=()
+		[ -n "${TP2_LLMD:-}" ] && llmd=(--llmd "$TP2_LLMD")
+		for pipe in registered pinned; do
+			flags=()
+			[ "$pipe" = pinned ] && flags=(--pinned)
+			rm -rf "$shm/tp2" "$shm"/tp2-llmd-rank*
+			run "tp2-$pipe" python3 scripts/gpu-tp2.py --dir "$shm/tp2" --kvhost-bin "$bin/kvhost" \
+				--json "$out/tp2-$pipe.json" ${flags[@]+"${flags[@]}"} ${llmd[@]+"${llmd[@]}"}
+			grep -E '^tp2 (ratio|vs_llmd) ' "$out/tp2-$pipe.txt" | sed 's/^/   /'
+		done
+	else
+		echo "== tp2: not run, this machine has $ngpu GPU (it needs two; TP2_ONE_GPU=1 runs both ranks on device 0)"
 	fi
 fi
 if [ "${HOSTILE:-1}" = 1 ]; then
