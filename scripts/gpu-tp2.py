@@ -70,13 +70,13 @@ CUDA). Output, one line per path, mode and op a script can read (the median
 of the reps; ok False where any rep failed, differ the bytes that differed
 in every rep together):
 
-    tp2 path client mode together op load ranks 2 gbps_rank 24.1,24.3 gbps_total 48.4 ok True differ 0 pipeline registered
+    tp2 path PATH mode MODE op OP ranks N gbps_rank G0,G1 gbps_total G ok True differ 0 pipeline registered
 
 then per path and op the ratio of the totals, together over alone, and
 with llmd each kvhost figure over llm-d's in the same mode:
 
-    tp2 ratio path client op load 1.93 pipeline registered
-    tp2 vs_llmd path client mode together op load rank 1.02,0.98 total 1.00 pipeline registered
+    tp2 ratio path PATH op OP R pipeline registered
+    tp2 vs_llmd path PATH mode MODE op OP rank R0,R1 total R pipeline registered
 
 and "detail:" lines (each rep and rank). --json FILE writes every run of
 every rank, the machine (GPU names, device count, torch, CUDA, NUMA
