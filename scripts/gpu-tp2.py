@@ -260,6 +260,8 @@ class Rank:
         self.sh = sh = Shape(a)
         self.cuda = a.device == "cuda"
         if self.cuda:
+            if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+                raise SystemExit("gpu-tp2: --device cuda, but torch sees no GPU (--device cpu checks without one)")
             self.dev = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.dev)
         else:
@@ -428,7 +430,7 @@ class Rank:
         wm = self._step(meta)
         self.sync()
         t1 = self.now()
-        self._finished(set())  # vLLM's get_finished of the step
+        self._finished({t.req_id for t in meta.loads})  # vLLM's get_finished: the requests ended with the step
         after, nkeys = self._counts(), sum(len(t.keys) for t in meta.loads)
         moved = after.get("bytes_loaded", 0) - before.get("bytes_loaded", 0)
         errors = []
