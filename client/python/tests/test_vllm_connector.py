@@ -207,7 +207,8 @@ class SplitTest(unittest.TestCase):
 
     def test_bad_cost_options_are_refused_by_name(self):
         for key, value in [("load_gbps", 0), ("prefill_us_per_token", -1), ("layers_per_load", 0),
-                           ("layer_groups", "odd"), ("load_split", "some"), ("tensor_layout", "rows"), ("no_such_option", 1)]:
+                           ("layer_groups", "odd"), ("load_split", "some"), ("tensor_layout", "rows"), ("no_such_option", 1),
+                           ("daemon_wait_s", 0), ("daemon_wait_s", float("inf"))]:
             with self.subTest(key=key):
                 with self.assertRaisesRegex(ValueError, key):
                     C.options({"socket": "/nonexistent", key: value})

@@ -45,7 +45,10 @@ BPC = 2                      # blocks per key: "block_size": 32 tokens
 
 
 @unittest.skipUnless(NO_TREE is None, NO_TREE or "")
-class RealKvConnectorTest(vllm_tree.RealCase):
+class RealKvConnectorCase(vllm_tree.RealCase):
+    """vLLM's KV-connector modules loaded, a daemon for the class, and
+    the steps of vLLM's engine; no tests of its own."""
+
     support = "connector_class"
 
     @classmethod
@@ -153,6 +156,8 @@ class RealKvConnectorTest(vllm_tree.RealCase):
     def rows(self, kv, blocks):
         return [bytes(kv[n][b].view(self.torch.int8).numpy().tobytes()) for n in NAMES for b in blocks]
 
+
+class RealKvConnectorTest(RealKvConnectorCase):
     def test_vllms_factory_builds_the_connector_as_a_kvconnectorbase_v1(self):
         sched, worker, _ = self.engine()
         for c in (sched, worker):

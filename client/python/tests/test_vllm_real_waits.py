@@ -21,6 +21,7 @@ import unittest
 import numpy as np
 
 import daemon as d
+import test_vllm_real_kvconnector as rk
 import test_vllm_real_spec as rs
 from test_vllm_real_tier import NO_TREE, RealTieringCase, key
 
@@ -220,6 +221,105 @@ class FrozenDaemonUnderTheSpec(rs.RealSpecCase):
             self.assertLess(took_m, BOUND + MARGIN, "the manager's shutdown waited on the frozen daemon")
         finally:
             dm.thaw()
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class FrozenDaemonUnderTheKvConnector(rk.RealKvConnectorCase):
+    """KvhostConnector's scheduler and worker (vLLM's factory, vLLM's
+    KV-connector classes) on the class's daemon, frozen by the test."""
+
+    def test_a_load_the_frozen_daemon_does_not_end_is_given_up_within_the_bound_and_its_blocks_held(self):
+        torch = self.torch
+        sched, worker, kv = self.engine(seed=11, load_split="all", daemon_wait_s=BOUND)
+        nblk = 2 * rk.BPC + 1
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, self.request("a", "kvc-frozen", nblk), src)
+        want = self.rows(kv, src[:2 * rk.BPC])
+        dst = list(range(30, 30 + nblk))
+        loaded = dst[:2 * rk.BPC]
+        req = self.request("b", "kvc-frozen", nblk)
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        self.assertEqual(n, 2 * rk.BPC * rk.BLOCK)
+        sched.update_state_after_alloc(req, self.blocks(dst), n)
+        req.num_computed_tokens = n
+        meta = sched.build_connector_meta(self.output(new=[(req, dst)], scheduled={req.request_id: rk.BLOCK}))
+        others = list(range(40, rk.NBLOCKS))  # blocks vLLM hands to other requests meanwhile
+        self.daemon.freeze()
+        try:
+            worker.handle_preemptions(meta)
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+
+            def layers():
+                for name in rk.NAMES:
+                    worker.wait_for_layer_load(name)
+                    worker.save_kv_layer(name, None, None)
+                worker.wait_for_save()
+            _, took = timed("a step's layer loads, frozen daemon", layers)
+            self.assertLess(took, BOUND + MARGIN, "the step's loads waited on the frozen daemon")
+            sending, _ = worker.get_finished(set())
+            errors = worker.get_block_ids_with_load_errors()
+            worker.build_connector_worker_meta()
+            worker.clear_connector_metadata()
+            self.assertEqual(set(errors), set(loaded), "the given-up load's blocks are not recomputed")
+            # The request ends (vLLM's "fail" policy, or it finishes): vLLM
+            # keeps its blocks until a worker reports it.
+            req.status = self.req_mod.RequestStatus.FINISHED_ABORTED
+            self.assertEqual(sched.request_finished(req, dst), (True, None))
+            out = self.step(sched, worker, self.output(finished={req.request_id}))
+            self.assertNotIn(req.request_id, out.finished_sending or set(), "reported while the daemon may write")
+            for b in others:
+                for name in rk.NAMES:
+                    kv[name][b].view(torch.int8).fill_((b * 7) % 251 - 125)
+            pattern = self.rows(kv, others)
+        finally:
+            self.daemon.thaw()
+
+        def reported():
+            out = self.step(sched, worker, self.output())
+            return req.request_id in (out.finished_sending or set())
+        d.wait_for(reported, what="the request reported once the daemon ended its given-up load")
+        self.assertEqual(self.rows(kv, others), pattern, "the resumed daemon wrote a block vLLM handed out")
+        self.assertEqual(self.rows(kv, loaded), want, "the late load landed outside the blocks held for it")
+
+    def test_start_with_a_frozen_daemon_returns_within_the_bound_then_connects_once_it_resumes(self):
+        vc, kvc = self.vllm_config(daemon_wait_s=BOUND, reconnect_s=0.05), self.kv_cache_config()
+        role = self.base.KVConnectorRole
+        self.daemon.freeze()
+        try:
+            sched, took_s = timed("connector scheduler start, frozen daemon",
+                                  lambda: self.factory.KVConnectorFactory.create_connector(vc, role.SCHEDULER, kvc))
+            self.closers.append(sched.shutdown)
+            worker = self.factory.KVConnectorFactory.create_connector(vc, role.WORKER, kvc)
+            self.closers.append(worker.shutdown)
+            kv = rk.layer_caches(self.torch, self.closers, 12, rk.NBLOCKS)
+            _, took_w = timed("connector worker register_kv_caches, frozen daemon",
+                              lambda: worker.register_kv_caches(kv))
+            self.assertLess(took_s, BOUND + MARGIN, "the scheduler's start waited on the frozen daemon")
+            self.assertLess(took_w, BOUND + MARGIN, "the worker's start waited on the frozen daemon")
+            self.assertFalse(sched.counters()["connected"] or worker.counters()["connected"])
+        finally:
+            self.daemon.thaw()
+        d.wait_for(lambda: sched.counters()["connected"] and worker.counters()["connected"],
+                   what="both halves to connect once the daemon resumes")
+
+    def test_shutdown_with_a_frozen_daemon_returns_within_the_bound(self):
+        sched, worker, _ = self.engine(seed=13, daemon_wait_s=BOUND)
+        nblk = 2 * rk.BPC + 1
+        req = self.request("s", "kvc-frozen-stop", nblk)
+        ids = list(range(1, 1 + nblk))
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        sched.update_state_after_alloc(req, self.blocks(ids), 0)
+        self.daemon.freeze()
+        try:
+            self.step(sched, worker, self.output(new=[(req, ids)], scheduled={req.request_id: req.num_tokens}))
+            d.wait_for(lambda: worker.counters()["stores_in_flight"] > 0, what="a save sent to the frozen daemon")
+            _, took_w = timed("connector worker shutdown, frozen daemon", worker.shutdown)
+            _, took_s = timed("connector scheduler shutdown, frozen daemon", sched.shutdown)
+            self.assertLess(took_w, BOUND + MARGIN, "the worker's shutdown waited on the frozen daemon")
+            self.assertLess(took_s, BOUND + MARGIN, "the scheduler's shutdown waited on the frozen daemon")
+        finally:
+            self.daemon.thaw()
 
 
 if __name__ == "__main__":

@@ -1441,6 +1441,9 @@ class TestOptions(unittest.TestCase):
         for bad in (0, -1, float("inf"), True):
             with self.assertRaisesRegex(ValueError, "request_timeout_s"):
                 Spec(S.fake_offloading_config("/nonexistent.sock", request_timeout_s=bad))
+        for bad in (0, -1, float("inf"), float("nan"), True, "2"):
+            with self.subTest(daemon_wait_s=bad), self.assertRaisesRegex(ValueError, "daemon_wait_s"):
+                Spec(S.fake_offloading_config("/nonexistent.sock", daemon_wait_s=bad))
         for k in ("lookup_wait_s", "stored_ttl_s", "job_timeout_s", "reconnect_s", "load_retry_s"):
             for bad in (-1, float("nan"), float("inf"), True, "30"):
                 with self.subTest(option=k, value=bad), self.assertRaisesRegex(ValueError, f"{k}: want seconds >= 0"):

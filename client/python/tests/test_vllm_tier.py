@@ -16,6 +16,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import unittest
 from unittest import mock
 
@@ -854,6 +855,37 @@ class DaemonRestart(TierCase):
         self.assertTrue(res.success, res)
         np.testing.assert_array_equal(region[10:12], want)
 
+    def test_drain_jobs_gives_up_on_a_frozen_daemon_within_the_bound_and_no_late_byte_reaches_vllms_rows(self):
+        """drain_jobs (vLLM's reset_cache) returns once daemon_wait_s has
+        passed with a store and a promotion on the frozen daemon, reporting
+        both failed; vLLM then reuses every row (a pattern here), and the
+        resumed daemon, which runs both jobs on the tier's staging slots,
+        changes none of them: the promotion's copy to vLLM's rows is not
+        made once given up."""
+        region = random_region(seed=29)
+        ks = keys(2, "drained")
+        self.store(self.tier(region, zero_copy="off"), ks, [0, 1])
+        t = self.tier(region, zero_copy="off", daemon_wait_s=0.5)
+        self.daemon.freeze()
+        try:
+            load, store = self.job(ks, [10, 11], promotion=True), self.job(keys(2, "drained-store"), [12, 13])
+            t.submit_load(load)
+            t.submit_store(store)
+            d.wait_for(lambda: len(t._runs) == 2 and all(r.started for r in t._runs.values()),
+                       what="both jobs sent to the frozen daemon")
+            t0 = time.monotonic()
+            t.drain_jobs()
+            self.assertLess(time.monotonic() - t0, 0.5 + 1.0, "drain_jobs waited on the frozen daemon")
+            self.assertEqual({r.job_id: r.success for r in t.get_finished_jobs()},
+                             {load.job_id: False, store.job_id: False})
+            self.assertEqual(t.counters()["inflight_jobs"], 0)
+            region[:] = 0x5A
+        finally:
+            self.daemon.thaw()
+        d.wait_for(lambda: t.counters().get("given_up_jobs_ended", 0) == 2, what="the daemon to end the jobs")
+        self.assertTrue((region == 0x5A).all(), "a byte of a given-up job reached vLLM's rows")
+        self.assertEqual(t.get_finished_jobs(), [], "a given-up job reported twice")
+
     def test_shutdown_gives_up_on_a_frozen_daemon_without_handing_its_staging_rows_on(self):
         """Shutdown gives up on a job the daemon has not ended after
         daemon_wait_s, but the staging rows it held go to no later job: a
@@ -1196,6 +1228,12 @@ class Options(unittest.TestCase):
             with self.subTest(request_timeout_s=bad), self.assertRaisesRegex(ValueError, "request_timeout_s"):
                 Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
                      tier_type="KvhostTier", request_timeout_s=bad, socket="/x")
+
+    def test_a_daemon_wait_that_is_not_a_positive_finite_number_is_refused(self):
+        for bad in (0, -1, float("inf"), float("nan"), True, "2"):
+            with self.subTest(daemon_wait_s=bad), self.assertRaisesRegex(ValueError, "daemon_wait_s"):
+                Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                     tier_type="KvhostTier", daemon_wait_s=bad, socket="/x")
 
     def test_a_duration_that_is_not_seconds_at_least_zero_is_refused(self):
         for k in ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"):

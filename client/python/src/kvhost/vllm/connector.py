@@ -33,9 +33,9 @@ from .. import protocol as p
 from ..client import ConnectionLost, Geometry, KvhostError, Layer
 from . import _namespace as ns_
 from . import spec_compat as sc
-from ._common import (DaemonAbsent, Reconnects, UnsupportedVLLM, absent_if_stopping, check_request_timeout,
-                      check_seconds, daemon_key, lost_connection, merge_options, open_client, reason,
-                      vllm_installed, wait_ended)
+from ._common import (DAEMON_WAIT_S, DaemonAbsent, Reconnects, UnsupportedVLLM, absent_if_late, absent_if_stopping,
+                      check_daemon_wait, check_request_timeout, check_seconds, daemon_key, lost_connection,
+                      merge_options, open_client, reason, setup_timeout, vllm_installed, wait_ended)
 from ._split import CostModel
 
 log = logging.getLogger("vllm.kvhost")
@@ -75,6 +75,7 @@ OPTIONS = {
     "job_timeout_s": 120.0,     # a store not done after this is asked to cancel (and waited for)
     "reconnect_s": 1.0,         # after a lost daemon connection, how often to connect again (0: never)
     "request_timeout_s": 30.0,  # how long a request waits for the daemon's reply
+    "daemon_wait_s": DAEMON_WAIT_S,  # the longest a vLLM call (start, a layer's load, shutdown) waits on the daemon
     "save": True,               # store newly computed prompt chunks
 }
 
@@ -98,6 +99,7 @@ def options(extra):
         o["socket"] = default_socket()
     check_seconds(o, ("pin_lease_s", "load_timeout_s", "job_timeout_s", "reconnect_s"))
     check_request_timeout(o)
+    check_daemon_wait(o)
     n = o["layers_per_load"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"kvhost.vllm: layers_per_load: want an integer >= 1, got {n!r}")
@@ -270,7 +272,7 @@ class WorkerMeta:
 class _ReqState:
     """The scheduler's record of one request: its keys so far, its block
     ids, the lookup's answer, what it claimed, and its saves."""
-    __slots__ = ("req", "keys", "digests", "blocks", "computed", "hit", "claimed", "next_save", "saved")
+    __slots__ = ("req", "keys", "digests", "blocks", "computed", "hit", "claimed", "next_save", "saved", "loaded")
 
     def __init__(self, req):
         self.req, self.keys, self.blocks = req, [], []
@@ -278,6 +280,7 @@ class _ReqState:
         self.computed = self.hit = self.claimed = 0
         self.next_save = 0      # the first chunk not yet stored nor known stored
         self.saved = False      # a save of it went to the workers (request_finished delays the free)
+        self.loaded = False     # a load of it went to the workers (request_finished delays the free)
 
 
 class _Half(Reconnects):
@@ -302,16 +305,20 @@ class _Half(Reconnects):
             return None
         return client
 
-    def _close(self):
-        """Stops connecting again and closes the connection. Idempotent."""
+    def _close(self, until=None):
+        """Stops connecting again and closes the connection; a connection
+        try under way is waited for until until (monotonic; None: now
+        plus daemon_wait_s). Idempotent."""
         with self._cv:
             if self._closing:
                 return
             self._closing = True
             self._cv.notify_all()
-        self._join_reconnectors()
-        if self._client is not None:
-            self._client.close()
+        self._join_reconnectors(until if until is not None else time.monotonic() + self._opts["daemon_wait_s"])
+        with self._lock:
+            client = self._client
+        if client is not None:
+            client.close()
 
 
 class ConnectorScheduler(_Half):
@@ -351,7 +358,9 @@ class ConnectorScheduler(_Half):
 
     def _open(self):
         o = self._opts
-        client = open_client(o["socket"], o["client_name"], o["request_timeout_s"],
+        # The handshake and the declarations wait daemon_wait_s at most (a
+        # start runs in vLLM's call), later requests request_timeout_s.
+        client = open_client(o["socket"], o["client_name"], setup_timeout(o),
                              " (set the connector option \"socket\" or KVHOST_SOCKET)")
         try:
             nss = []
@@ -359,9 +368,11 @@ class ConnectorScheduler(_Half):
                 geo = geometry(self._ident, r)
                 nss.append(client.declare(geo))
                 ns_.check_served(nss[-1].fingerprint, geo)
+            client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             client.close()
             absent_if_stopping(e, o["socket"])
+            absent_if_late(e, o["socket"])
             raise
         return client, nss
 
@@ -552,6 +563,10 @@ class ConnectorScheduler(_Half):
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or set()
         self._steps += 1
         meta = ConnectorMetadata(list(self._loads.values()), saves, preempted, self._steps)
+        for t in meta.loads:
+            st = self._reqs.get(t.req_id)
+            if st is not None and t.keys:
+                st.loaded = True
         self._stats["load_keys"] += sum(len(t.keys) for t in meta.loads)
         self._stats["save_keys"] += sum(len(t.keys) for t in saves)
         self._loads = {}
@@ -606,12 +621,14 @@ class ConnectorScheduler(_Half):
                 log.debug("kvhost connector: unpin: %s", e)
 
     def request_finished(self, request, block_ids):
-        """(True, None) where a save of the request went to the workers:
-        vLLM keeps its blocks until a worker's get_finished reports the
-        request (its stores ended); (False, None) otherwise."""
+        """(True, None) where a save or a load of the request went to the
+        workers: vLLM keeps its blocks until every worker's get_finished
+        reports the request (its stores, and any load a worker gave up
+        waiting for, ended: the daemon writes no more into them);
+        (False, None) otherwise."""
         st = self._reqs.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        return (st is not None and st.saved), None
+        return (st is not None and (st.saved or st.loaded)), None
 
     def counters(self):
         """The scheduler's counters since it started (for tests and tools)."""
@@ -656,10 +673,11 @@ class _Step:
     """The loads of one step: its number (the scheduler's), per layer
     group its daemon jobs (each with the block lists of its keys), the
     groups waited for, when they started and ended, the bytes moved."""
-    __slots__ = ("number", "jobs", "waited", "t0", "nbytes", "t_end", "layer_group")
+    __slots__ = ("number", "jobs", "waited", "t0", "nbytes", "t_end", "layer_group", "gave_up")
 
     def __init__(self, number, layer_group):
         self.number, self.jobs, self.waited = number, {}, set()
+        self.gave_up = False  # a group's wait gave up: the later groups' are not waited for either
         self.t0, self.nbytes, self.t_end = time.monotonic(), 0, None
         self.layer_group = layer_group  # layer index -> its group's index
 
@@ -688,6 +706,8 @@ class ConnectorWorker(_Half):
         self._stores = collections.defaultdict(list)   # req id -> [Job]
         self._finishing = set()                        # req ids finished, stores still in flight
         self._saving = set()                           # req ids with a save sent (get_finished reports them)
+        self._loaded = set()                           # req ids with a load sent (get_finished reports them)
+        self._given_up = collections.defaultdict(list)  # req id -> load jobs given up, maybe not ended
         self._measured = [0, 0.0]                      # bytes, seconds of loads since the last worker meta
         self._done_steps = []                          # steps whose loads ended since the last worker meta
         self._reported = {}                            # the counters get_kv_connector_stats reported last
@@ -769,7 +789,7 @@ class ConnectorWorker(_Half):
     def _open(self):
         from .spec_worker import SpecWorker
         o = self._opts
-        client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", o["request_timeout_s"])
+        client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", setup_timeout(o))
         regions = {}
         try:
             geo = geometry(self._ident, self.shard)
@@ -795,9 +815,11 @@ class ConnectorWorker(_Half):
                     layers.append(Layer(region, offset=off, block_stride=t.stride(0) * es, plane_stride=0,
                                         num_blocks=self._nblocks))
             cache = client.register_cache(ns, layers)
+            client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             client.close()
             absent_if_stopping(e, o["socket"])
+            absent_if_late(e, o["socket"])
             raise
         return client, cache, regions
 
@@ -827,8 +849,12 @@ class ConnectorWorker(_Half):
         groups = layer_groups(nl, lpl, self._opts["layer_groups"])
         step = _Step(getattr(meta, "step", 0), [g for g, (_, n) in enumerate(groups) for _ in range(n)])
         self._step = step
+        # The scheduler delays the free of these requests' blocks until
+        # get_finished reports them, their loads ended.
+        self._loaded.update(t.req_id for t in loads)
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
+        owners = [t.req_id for t in loads for _ in t.keys]
         bad = [i for i, b in enumerate(blocks) if any(x != p.NO_BLOCK and not 0 <= x < self._nblocks for x in b)]
         client = self._usable()
         if client is None or bad:
@@ -853,7 +879,7 @@ class ConnectorWorker(_Half):
                         with self._cv:
                             self._lost_locked(client, reason(e))
                     continue
-                jobs.append((job, blocks[sl]))
+                jobs.append((job, blocks[sl], frozenset(owners[sl])))
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
 
@@ -873,9 +899,10 @@ class ConnectorWorker(_Half):
     def wait_layer(self, layer_name):
         """Waits for the load jobs of the layer group holding layer_name
         (none where the step loads nothing or the layer is not the
-        identity's). A job not done after load_timeout_s is cancelled and
-        still waited for (the daemon must not write the blocks after this);
-        a key not loaded puts its blocks in the step's load errors."""
+        identity's), daemon_wait_s at most. A job not done after
+        load_timeout_s is asked to cancel; one not ended by daemon_wait_s
+        is given up (_give_up); a key not loaded puts its blocks in the
+        step's load errors."""
         step = self._step
         if step is None:
             return
@@ -883,16 +910,56 @@ class ConnectorWorker(_Half):
         if i is None:
             return
         g = step.layer_group[i] if step.layer_group[i] in step.jobs else 0
-        self._wait_group(step, g)
+        self._wait_group(step, g, time.monotonic() + self._opts["daemon_wait_s"])
 
-    def _wait_group(self, step, g):
+    def _give_up(self, job, blocks, owners, g):
+        """A load job not ended by daemon_wait_s: its blocks go into the
+        step's load errors, and its requests' blocks stay vLLM's until it
+        ends (get_finished reports those requests only then; vLLM delays
+        their free, request_finished). With kv_load_failure_policy
+        "recompute" vLLM computes the same tokens again into the same
+        blocks, which a late write of the job fills with the same tokens'
+        verified KV; with "fail" the request ends, and its blocks are
+        held. A preempted request's blocks are vLLM's to reuse at once:
+        handle_preemptions waits for its given-up loads, however long."""
+        self._stats["load_given_up_jobs"] += 1
+        log.warning("kvhost connector: a load job of layer group %d not ended by the daemon after %gs: given up "
+                    "(vLLM recomputes its %d keys' blocks; its requests' blocks are held until the daemon ends it)",
+                    g, self._opts["daemon_wait_s"], len(blocks))
+        self._fail(blocks)
+        with self._lock:
+            for rid in owners:
+                self._given_up[rid].append(job)
+
+    def _loads_pending(self, rid):
+        """Whether a load of rid given up still runs on the daemon (a job
+        ends with its completion, or with the connection, which the daemon
+        closes only after ending its jobs, or dying)."""
+        with self._lock:
+            jobs = [j for j in self._given_up.get(rid, ()) if not j.done()]
+            if jobs:
+                self._given_up[rid] = jobs
+            else:
+                self._given_up.pop(rid, None)
+            return bool(jobs)
+
+    def _wait_group(self, step, g, until):
         if g in step.waited:
             return
         step.waited.add(g)
-        for job, blocks in step.jobs.get(g, ()):
+        if step.gave_up:
+            # The daemon left a group of this step unended for daemon_wait_s:
+            # the later groups (the same keys' other layers, whose blocks
+            # vLLM recomputes already) are taken if done, not waited for.
+            until = time.monotonic()
+        for job, blocks, owners in step.jobs.get(g, ()):
             try:
-                r = wait_ended(job, self._opts["load_timeout_s"] or None, lambda: None,
+                r = wait_ended(job, self._opts["load_timeout_s"] or None, lambda: until,
                                f"connector: load job of layer group {g}")
+            except TimeoutError:  # past daemon_wait_s: the daemon may still write the blocks
+                step.gave_up = True
+                self._give_up(job, blocks, owners, g)
+                continue
             except Exception as e:  # refused, or the connection closed: recomputed
                 log.warning("kvhost connector: load of layer group %d failed: %s", g, e)
                 self._fail(blocks)
@@ -917,8 +984,9 @@ class ConnectorWorker(_Half):
         step = self._step
         if step is None:
             return
+        until = time.monotonic() + self._opts["daemon_wait_s"]
         for g in list(step.jobs):
-            self._wait_group(step, g)
+            self._wait_group(step, g, until)
         if step.nbytes and step.t_end is not None:
             self._measured[0] += step.nbytes
             self._measured[1] += step.t_end - step.t0
@@ -1016,13 +1084,16 @@ class ConnectorWorker(_Half):
                     self._stats["store_jobs"] += 1
                     self._stats["store_keys"] += len(t.keys[sl])
 
-    def _settle_stores(self, req_id, wait):
+    def _settle_stores(self, req_id, wait, until=None):
         """Drops req_id's finished store jobs (with wait, waiting for its
-        stores to be sent and for every one to end); True when none is left
-        to send or in flight."""
+        stores to be sent and for every one to end, until until: monotonic,
+        None: however long); True when none is left to send or in flight."""
         with self._cv:
             while wait and self._unsent.get(req_id):
-                self._cv.wait()
+                left = None if until is None else until - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cv.wait(left)
             jobs = self._stores.pop(req_id, [])
         left = []
         for job in jobs:
@@ -1030,12 +1101,14 @@ class ConnectorWorker(_Half):
                 left.append(job)
                 continue
             try:
-                r = wait_ended(job, self._opts["job_timeout_s"] or None, lambda: None,
+                r = wait_ended(job, self._opts["job_timeout_s"] or None, lambda: until,
                                f"connector: store job of {req_id}")
                 with self._lock:
                     self._stats["stored_keys"] += r.count(p.OUTCOME_STORED)
                     self._stats["present_keys"] += r.count(p.OUTCOME_PRESENT)
                     self._stats["bytes_stored"] += r.bytes
+            except TimeoutError:  # past until (shutdown): the process's exit ends it
+                left.append(job)
             except Exception as e:  # the keys are not stored: later lookups miss
                 with self._lock:
                     self._stats["store_failed_jobs"] += 1
@@ -1045,11 +1118,24 @@ class ConnectorWorker(_Half):
                 self._stores[req_id] = left + self._stores.get(req_id, [])
             return req_id not in self._stores and not self._unsent.get(req_id)
 
-    def wait_stores(self, req_ids):
-        """Waits for the stores of req_ids to be sent and to end (preempted
-        requests: vLLM frees their blocks next)."""
+    def wait_stores(self, req_ids, until=None):
+        """Waits for the stores of req_ids to be sent and to end, and for
+        their loads given up (preempted requests: vLLM reuses their blocks
+        next, and nothing holds them, so however long the daemon takes,
+        logged), or until until (monotonic: shutdown)."""
         for rid in req_ids:
-            self._settle_stores(rid, True)
+            self._settle_stores(rid, True, until)
+            with self._lock:
+                jobs = list(self._given_up.get(rid, ()))
+            if jobs and until is None:
+                log.warning("kvhost connector: preempted request %s has %d load jobs the daemon has not ended; "
+                            "waiting for them before vLLM reuses its blocks", rid, len(jobs))
+            for j in jobs:
+                try:
+                    wait_ended(j, self._opts["load_timeout_s"] or None, lambda: until,
+                               f"connector: given-up load job of {rid}")
+                except Exception:  # ended (refused, connection closed), or past until
+                    pass
 
     def finished(self, finished_req_ids):
         """The ids of finished requests whose stores have all ended (vLLM
@@ -1058,11 +1144,13 @@ class ConnectorWorker(_Half):
         here, and connected again before the next load if it can."""
         self._usable()
         for rid in finished_req_ids or ():
-            if rid in self._saving:
+            if rid in self._saving or rid in self._loaded:
                 self._finishing.add(rid)
-        done = {rid for rid in list(self._finishing) if self._settle_stores(rid, False)}
+        done = {rid for rid in list(self._finishing)
+                if self._settle_stores(rid, False) and not self._loads_pending(rid)}
         self._finishing -= done
         self._saving -= done
+        self._loaded -= done
         with self._lock:
             others = [r for r in self._stores if r not in self._finishing]
         for rid in others:
@@ -1102,15 +1190,19 @@ class ConnectorWorker(_Half):
         return s
 
     def shutdown(self):
-        """Waits for the stores in flight (job_timeout_s each), then closes
-        the connection. Idempotent."""
+        """Waits for the loads and stores in flight, daemon_wait_s in all,
+        then closes the connection (what the daemon may still touch goes
+        with the process, which is ending). Idempotent."""
+        until = time.monotonic() + self._opts["daemon_wait_s"]
         self.finish_loads()
         with self._lock:
             pending = set(self._stores) | set(self._unsent)
-        self.wait_stores(pending)
-        self._close()
+        self.wait_stores(pending, until)
+        self._close(until)
+        with self._cv:
+            self._cv.notify_all()
         if self._sender is not None:
-            self._sender.join()
+            self._sender.join(max(0.0, until - time.monotonic()) + 0.2)
 
 
 # -- the connector ------------------------------------------------------------------
