@@ -46,7 +46,9 @@ Paths (--paths):
 Each path runs "alone" (rank 0 only, the other ranks idle) and "together"
 (every rank), each rank starting its store (or load) on a shared event
 once every rank has made its blocks ready; --reps times, alone and
-together alternating which goes first. In the connector's alone runs the
+together alternating which goes first, after --warmup untimed reps (1:
+the first runs of a path pay for what later ones find ready; checked, but
+not in the figures). In the connector's alone runs the
 other ranks save the same step after rank 0 (untimed): the scheduler
 claims a key only where every rank holds it. A rank's GB/s is its bytes
 over its own time (its first submission to its last completion, the
@@ -141,6 +143,8 @@ def parse_args(argv=None):
     ap.add_argument("--keys", type=int, default=128, help="keys per rank and run")
     ap.add_argument("--tokens-per-key", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3, help="runs of each path and mode")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of each path and mode before them (checked, not in the figures)")
     ap.add_argument("--jobs", type=int, default=8, help="the client path's jobs per rank and op")
     ap.add_argument("--requests", type=int, default=4, help="the connector path's requests per step")
     ap.add_argument("--layers-per-load", type=int, default=4, help="the connector's layers_per_load")
@@ -179,6 +183,8 @@ def parse_args(argv=None):
         ap.error("--pinned configures the daemon started here: not with --socket")
     if a.ranks < 1 or a.keys < 1 or a.reps < 1 or a.jobs < 1 or a.requests < 1:
         ap.error("--ranks, --keys, --reps, --jobs and --requests: want >= 1")
+    if a.warmup < 0:
+        ap.error("--warmup: want >= 0")
     if a.kv_heads % a.ranks:
         ap.error(f"--kv-heads {a.kv_heads} do not split over {a.ranks} ranks")
     if a.tokens_per_key <= 0 or a.tokens_per_key % BLOCK_TOKENS:
@@ -648,13 +654,13 @@ class Driver:
             store = self.ranks.call(active, "llmd_store", True, tag=tag)
             self.pause()
             load = self.ranks.call(active, "llmd_load", True, tag=tag)
-        run = {"path": path, "mode": mode, "rep": rep, "ranks": active,
+        run = {"path": path, "mode": mode, "rep": rep, "warmup": rep < 0, "ranks": active,
                "store": summarize(store, active), "load": summarize(load, active)}
         self.runs.append(run)
         for op in ("store", "load"):
             s = run[op]
             for r, x in zip(active, s["per_rank"]):
-                print(f"detail: rep {rep} path {path} mode {mode} op {op} rank {r} gbps {x['gbps']:.2f} "
+                print(f"detail: rep {rep} warmup {rep < 0} path {path} mode {mode} op {op} rank {r} gbps {x['gbps']:.2f} "
                       f"s {x['seconds']:.4f} bytes {x['bytes']} ok {x['ok']} bad_bytes {x.get('differ', 0)} "
                       f"bad_keys {x.get('differ_keys', 0)}"
                       + (f" errors {x['errors']}" if x["errors"] else ""), flush=True)
@@ -861,11 +867,11 @@ def main(argv=None):
               f"{','.join(a.paths)}; pipeline {pipeline}; reps {a.reps}", flush=True)
         if a.fill:
             driver.fill(a.fill * (1 << 30))
-        for rep in range(a.reps):
+        for rep in range(-a.warmup, a.reps):  # negative: warm-up, not in the figures
             for path in a.paths:
                 for mode in (a.modes if rep % 2 == 0 else a.modes[::-1]):
                     driver.one(path, mode, rep)
-        lines, summary, ratios, versus = report_lines(a, driver.runs, pipeline)
+        lines, summary, ratios, versus = report_lines(a, [r for r in driver.runs if not r["warmup"]], pipeline)
         for line in lines:
             print(line, flush=True)
         failed = not all(r[op]["ok"] for r in driver.runs for op in ("store", "load"))

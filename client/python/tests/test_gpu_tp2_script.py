@@ -88,7 +88,8 @@ class TestGpuTp2Script(unittest.TestCase):
 
         self.assertTrue(data["ok"])
         self.assertEqual(data["pipeline"], "registered")
-        self.assertEqual(len(data["runs"]), 3 * 2 * 2)  # paths x modes x reps
+        self.assertEqual(len(data["runs"]), 3 * 2 * 3)  # paths x modes x (reps and the warm-up)
+        self.assertEqual(sorted({r["rep"] for r in data["runs"] if r["warmup"]}), [-1])
         for run in data["runs"]:
             for op in OPS:
                 with self.subTest(path=run["path"], mode=run["mode"], rep=run["rep"], op=op):
@@ -112,7 +113,7 @@ class TestGpuTp2Script(unittest.TestCase):
 
     def test_a_corrupted_stored_file_fails_the_run_instead_of_passing(self):
         out, lines, _, _, data, _ = self.tp2("--corrupt-stored", "--pinned", "--paths", "client,connector",
-                                             "--reps", "1")
+                                             "--reps", "1", "--warmup", "0")
         self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
         self.assertEqual(out.stdout.count("detail: corrupted "), 4, out.stdout)  # each kvhost store phase
         for path in ("client", "connector"):
