@@ -46,11 +46,11 @@ Paths (--paths):
 Each path runs "alone" (rank 0 only, the other ranks idle) and "together"
 (every rank), each rank starting its store (or load) on a shared event
 once every rank has made its blocks ready; --reps times, alone and
-together alternating which goes first, after --warmup untimed reps (1:
-the first runs of a path pay for what later ones find ready; checked, but
-not in the figures). In the connector's alone runs the
-other ranks save the same step after rank 0 (untimed): the scheduler
-claims a key only where every rank holds it. A rank's GB/s is its bytes
+together alternating which goes first, after --warmup reps (1: the
+first runs of a path pay for what later ones find ready; checked, but not
+in the figures). In the connector's alone runs the other ranks save the
+same step after rank 0 (untimed): the scheduler claims a key only where
+every rank holds it. A rank's GB/s is its bytes
 over its own time (its first submission to its last completion, the
 device synchronized); the total is every rank's bytes over the time from
 the earliest start to the latest end.
@@ -83,8 +83,8 @@ with llmd each kvhost figure over llm-d's in the same mode:
 and "detail:" lines (each rep and rank). --json FILE writes every run of
 every rank, the machine (GPU names, device count, torch, CUDA, NUMA
 nodes, nvidia-smi's topology) and the daemon's device counts. The exit
-status is 1 where any ok is False: a key not stored or not loaded, a
-connector load error, a byte that differs.
+status is 1 where any run failed, the warm-up's included: a key not
+stored or not loaded, a connector load error, a byte that differs.
 """
 import argparse
 import importlib.util
