@@ -834,7 +834,7 @@ def main(argv=None):
     daemon, toml = None, ""
     if not a.socket:
         from daemon import Daemon
-        os.environ["KVHOST_BIN"] = a.kvhost_bin
+        os.environ["KVHOST_BIN"] = os.path.abspath(a.kvhost_bin)
         sh = Shape(a)
         run_bytes = a.ranks * a.keys * sh.key_bytes
         if a.capacity is None:
