@@ -133,6 +133,34 @@ class FrozenDaemonUnderTheTier(RealTieringCase):
                 np.testing.assert_array_equal(self.promote_and_read(h, cascade, ctx), want_cascade)
                 np.testing.assert_array_equal(self.promote_and_read(h, promo, ctx), want_promo)
 
+    def test_two_kvhost_tiers_given_up_on_the_same_rows_hold_them_until_both_jobs_end(self):
+        dm = self.own_daemon()
+        opts = {"socket": dm.socket, "zero_copy": "on", "daemon_wait_s": BOUND}
+        h = self.engine(tiers=[opts, dict(opts, client_name="vllm-tier-b")], blocks=BLOCKS)
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        tiers = m.secondary_tiers
+        ks = [key(i, "two-tiers") for i in range(3)]
+        out = m.prepare_store(ks, ctx)
+        held = {int(b) for b in out.store_spec.block_ids}
+        dm.freeze()
+        try:
+            m.complete_store(ks, ctx)  # one cascade per tier, on the same rows
+            d.wait_for(lambda: all(len(t._runs) == 1 and all(r.started for r in t._runs.values()) for t in tiers),
+                       what="both cascades sent to the frozen daemon")
+            _, took = timed("reset_cache, two tiers, frozen daemon", m.reset_cache)
+            self.assertLess(took, 2 * BOUND + MARGIN, "a tier's drain_jobs waited past its bound")
+            got = m.prepare_store([key(i, "two-tiers-reuse") for i in range(BLOCKS - len(held))], ctx)
+            self.assertIsNotNone(got)
+            self.assertEqual({int(b) for b in got.store_spec.block_ids} & held, set())
+        finally:
+            dm.thaw()
+        d.wait_for(lambda: all(t.counters().get("given_up_jobs_ended", 0) == 1 for t in tiers),
+                   what="both given-up cascades ended")
+        self.step(m)
+        self.assertIsNotNone(m.prepare_store([key(i, "two-tiers-after") for i in range(len(held))], ctx),
+                             "rows still held once both jobs ended")
+
     def test_start_with_a_frozen_daemon_returns_within_the_bound_then_connects_once_it_resumes(self):
         R = self.api.LookupResult
         for zc in self.PATHS:

@@ -161,76 +161,83 @@ class _Run:
 class _HeldRows:
     """vLLM's primary rows that jobs drain_jobs gave up on may still have
     the daemon read or write (zero-copy), kept out of vLLM's reuse until
-    the daemon ends those jobs.
+    the daemon ends those jobs; one per primary tier, shared by every
+    kvhost tier over it (of()).
 
     vLLM's TieringOffloadingManager.reset_cache, the one caller of
     drain_jobs, reports every job finished and then clears its primary
     tier (CPUOffloadingManager.reset_cache: every row free). Right after
-    that clear (hook()), the rows still held are allocated to this tier
-    through the primary tier's own prepare_store, under keys of its own
-    that no lookup asks for: a fresh primary hands out rows 0, 1, 2, ...
-    in order, so the rows below the highest held one are taken, and those
-    not held are given back at once (complete_store, failed). A held row
-    stays a store in flight (vLLM's ref_cnt -1: never evicted, never
-    handed out) until release() gives it back, on the scheduler's thread
+    that clear (the wrapper of()'s hook puts around the primary's
+    reset_cache), the rows still held are allocated through the primary
+    tier's own prepare_store, under keys of kvhost's that no lookup asks
+    for: a cleared primary hands out rows 0, 1, 2, ... in order, so the
+    rows up to the highest held one are taken, and those not held are
+    given back at once (complete_store, failed). A held row stays a store
+    in flight in vLLM's books (ref_cnt -1: never evicted, never handed
+    out) until release() gives it back, on the scheduler's thread
     (get_finished_jobs), once the daemon ended its jobs. Every call on
-    vLLM's manager happens on the scheduler's thread; the tier's threads
-    only change the counts here, under the tier's lock."""
+    vLLM's manager happens on the scheduler's thread; the tiers' job
+    threads only change the counts here, under this object's lock."""
 
-    def __init__(self):
+    def __init__(self, primary):
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self.count = collections.Counter()  # row -> given-up jobs still running on it
         self.pinned = {}                    # row -> the key it is allocated under in vLLM's primary tier
         self.freed = []                     # keys of rows no job holds any more, to give back
-        self.primary = None                 # vLLM's primary tier, once hooked
+        self.primary = primary
         self.resets = 0                     # primary resets seen (names the keys of each)
+        reset = primary.reset_cache
 
-    def hold_locked(self, rows):
-        self.count.update(rows)
+        def reset_cache(*args, **kwargs):
+            reset(*args, **kwargs)
+            self.after_reset()
+        primary.reset_cache = reset_cache
 
-    def end_locked(self, rows):
-        """rows' given-up job ended: a row no other one holds is given back."""
-        for r in rows:
-            self.count[r] -= 1
-            if self.count[r] <= 0:
-                del self.count[r]
-                k = self.pinned.pop(r, None)
-                if k is not None:
-                    self.freed.append(k)
-
-    def find_primary(self, spec, view):
-        """vLLM's primary tier (CPUPrimaryTierOffloadingManager) over view,
-        reached through the spec that built this tier; None where this vLLM
-        has none with the calls hook() needs."""
+    @classmethod
+    def of(cls, spec, view):
+        """The held rows of vLLM's primary tier (CPUPrimaryTierOffloadingManager)
+        over view, reached through the spec that built the tier (its
+        manager's primary_tier); made and hooked on first use. None where
+        this vLLM has no such primary, or one without the calls needed."""
         m = getattr(getattr(spec, "_manager", None), "primary_tier", None)
         get_view = getattr(m, "get_kv_memoryview", None)
         if get_view is None or not all(callable(getattr(m, n, None))
                                        for n in ("reset_cache", "prepare_store", "complete_store")):
             return None
         try:
-            return m if get_view() is view else None
+            if get_view() is not view:
+                return None
         except Exception:  # noqa: BLE001 - an unknown primary is none to hook
             return None
+        held = getattr(m, "_kvhost_held_rows", None)
+        if held is None:
+            held = m._kvhost_held_rows = cls(m)
+        return held
 
-    def hook(self, primary, lock, cv):
-        """Wraps primary.reset_cache (once) so that the rows held are
-        allocated right after each clear; False where the allocation did
-        not take every held row (a primary that allocates otherwise): the
-        wrapper then waits for the jobs still on such rows before vLLM
+    def hold(self, rows):
+        with self._lock:
+            self.count.update(rows)
+
+    def end(self, rows):
+        """rows' given-up job ended: a row no other one holds is given back."""
+        with self._cv:
+            for r in rows:
+                self.count[r] -= 1
+                if self.count[r] <= 0:
+                    del self.count[r]
+                    k = self.pinned.pop(r, None)
+                    if k is not None:
+                        self.freed.append(k)
+            self._cv.notify_all()
+
+    def after_reset(self):
+        """Right after the primary's clear: allocates the rows still held.
+        Where the primary did not hand out every one of them (one that
+        allocates otherwise), waits for the jobs still on them before vLLM
         goes on (the unbounded wait of before, logged)."""
-        if self.primary is primary:
-            return
-        self.primary = primary
-        reset = primary.reset_cache
-        held = self
-
-        def reset_cache(*args, **kwargs):
-            reset(*args, **kwargs)
-            held.after_reset(lock, cv)
-        primary.reset_cache = reset_cache
-
-    def after_reset(self, lock, cv):
         primary = self.primary
-        with lock:
+        with self._lock:
             self.pinned.clear()  # the clear dropped them
             self.freed = []
             rows = set(self.count)
@@ -238,33 +245,31 @@ class _HeldRows:
             gen = self.resets
         if not rows:
             return
-        n = max(rows) + 1
-        keys = [b"\xffkvhost-held-row:%d:%d" % (gen, i) for i in range(n)]
+        keys = [b"\xffkvhost-held-row:%d:%d" % (gen, i) for i in range(max(rows) + 1)]
         out = primary.prepare_store(keys, None)
-        ids = [] if out is None else [int(b) for b in out.store_spec.block_ids]
-        got = dict(zip(ids, out.keys_to_store)) if out is not None else {}
-        with lock:
+        got = {} if out is None else dict(zip((int(b) for b in out.store_spec.block_ids), out.keys_to_store))
+        with self._lock:
             keep = {r: got[r] for r in self.count if r in got}
             self.pinned.update(keep)
-            give = [k for r, k in got.items() if r not in keep]
             missing = set(self.count) - set(keep)
+        give = [k for r, k in got.items() if r not in keep]
         if give:
             primary.complete_store(give, None, False)
         if missing:
             log.error("kvhost tier: vLLM's primary tier did not hand out rows %s after its reset; waiting for "
                       "the daemon to end the jobs on them before vLLM reuses them", sorted(missing)[:8])
-            with cv:
+            with self._cv:
                 while set(self.count) & missing:
-                    cv.wait()
+                    self._cv.wait()
         log.warning("kvhost tier: %d rows of vLLM's CPU region held out of reuse until the daemon ends the "
                     "jobs given up on them", len(keep))
 
-    def release(self, lock):
+    def release(self):
         """Gives back to vLLM's primary tier the rows no given-up job holds
         any more (on the scheduler's thread)."""
-        with lock:
+        with self._lock:
             keys, self.freed = self.freed, []
-        if keys and self.primary is not None:
+        if keys:
             self.primary.complete_store(keys, None, False)
 
 
@@ -407,7 +412,7 @@ class _TierImpl(Reconnects):
         self._inflight = 0
         self._finished = []
         self._runs = {}            # job id -> _Run, from submit until its thread ends it
-        self._held = _HeldRows()   # vLLM's rows given-up jobs may still touch (drain_jobs)
+        self._held = None          # vLLM's rows given-up jobs may still touch (_HeldRows), once any is
         self._events = collections.deque()
         self._stats = collections.Counter()
         self._reported = collections.Counter()
@@ -911,7 +916,7 @@ class _TierImpl(Reconnects):
             if run.given_up:  # reported by drain_jobs; the rows held for it go back
                 self._runs.pop(job_id, None)
                 if run.zero_copy:
-                    self._held.end_locked(run.rows)
+                    self._held.end(run.rows)
                 s["given_up_jobs_ended"] += 1
                 self._cv.notify_all()
                 return
@@ -954,7 +959,9 @@ class _TierImpl(Reconnects):
         """Jobs completed since the last call (JobResult with successful_keys).
         Gives back to vLLM the rows held for given-up jobs the daemon has
         ended since."""
-        self._held.release(self._lock)
+        held = self._held
+        if held is not None:
+            held.release()
         with self._lock:
             out, self._finished = self._finished, []
         return out
@@ -977,10 +984,10 @@ class _TierImpl(Reconnects):
             if not self._inflight:
                 return
             runs = [r for r in self._runs.values() if not r.given_up]
-            primary = None
             if any(r.started and r.zero_copy for r in runs):
-                primary = self._held.find_primary(self._spec, self._view)
-                if primary is None:
+                if self._held is None:
+                    self._held = _HeldRows.of(self._spec, self._view)
+                if self._held is None:
                     log.error("kvhost tier: %d jobs not ended by the daemon after %gs, and vLLM's primary tier "
                               "cannot be reached to keep their rows from reuse: waiting for the daemon",
                               len(runs), bound)
@@ -991,12 +998,10 @@ class _TierImpl(Reconnects):
             for r in runs:
                 r.given_up = True
                 if r.started and r.zero_copy:
-                    self._held.hold_locked(r.rows)
+                    self._held.hold(r.rows)
                     held += len(r.rows)
                 self._give_up_locked(r)
             self._cv.notify_all()
-        if primary is not None:
-            self._held.hook(primary, self._lock, self._cv)
         log.warning("kvhost tier: drain_jobs gave up after %gs on %d jobs the daemon has not ended (%d of vLLM's "
                     "rows held out of reuse until it does); reported failed", bound, len(runs), held)
 
