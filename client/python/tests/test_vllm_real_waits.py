@@ -41,6 +41,16 @@ def tearDownModule():
     _UNOBSERVED.stop()
 
 
+def vllm_tree_unlink(engine_id):
+    """Removes the /dev/shm file of engine_id's CPU region, if left."""
+    import os
+    import vllm_tree
+    try:
+        os.unlink(vllm_tree.shm_path(engine_id))
+    except FileNotFoundError:
+        pass
+
+
 def timed(what, fn):
     """fn()'s value and its duration, printed for the record."""
     t0 = time.monotonic()
@@ -71,67 +81,118 @@ class FrozenDaemonUnderTheTier(RealTieringCase):
         return h, m, ctx, m.secondary_tiers[0]
 
     def test_reset_cache_returns_within_the_bound_and_no_late_byte_lands_in_a_reused_row(self):
-        R = self.api.LookupResult
         for zc in self.PATHS:
             with self.subTest(zero_copy=zc):
                 dm = self.own_daemon()
                 h, m, ctx, tier = self.engine_on(dm, zc)
-                self.assertEqual(tier.data_path, "zero-copy" if zc == "on" else "copy")
-                promo = [key(i, f"frozen-promo-{zc}") for i in range(3)]
-                want_promo = self.offload(h, promo, ctx, seed=1)
-                m.reset_cache()  # the daemon answers: the promotions below come from kvhost
-                d.wait_for(lambda: all(tier.lookup(k, ctx) == R.HIT for k in promo), what="the tier's HITs")
-                cascade = [key(i, f"frozen-cascade-{zc}") for i in range(4)]
-                dm.freeze()
-                try:
-                    # A promotion (the daemon writes vLLM's rows) and a
-                    # cascade (it reads them) in flight on the frozen daemon.
-                    self.assertEqual([m.lookup(k, ctx) for k in promo], [R.HIT_PENDING] * 3)
-                    self.step(m)  # vLLM submits the promotion
-                    out = m.prepare_store(cascade, ctx)
-                    rows = self.rows(h)
-                    want_cascade = np.random.default_rng(2).integers(0, 256, size=(4, rows.shape[1]), dtype=np.uint8)
-                    for i, b in enumerate(out.store_spec.block_ids):
-                        rows[int(b)] = want_cascade[i]
-                    m.complete_store(cascade, ctx)
-                    d.wait_for(lambda: len(tier._runs) == 2 and all(r.started for r in tier._runs.values()),
-                               what="the promotion and the cascade sent to the frozen daemon")
-                    job_rows = {r.load: list(r.rows) for r in tier._runs.values()}
-                    _, took = timed(f"reset_cache, frozen daemon, zero_copy={zc}", m.reset_cache)
-                    self.assertLess(took, BOUND + MARGIN, "reset_cache waited on the frozen daemon")
-                    self.assertEqual(tier.counters()["given_up_jobs"], 2)
-                    held = set(job_rows[True] + job_rows[False]) if zc == "on" else set()
-                    # vLLM reuses every row it can: each gets a pattern of its own.
-                    reuse = [key(i, f"frozen-reuse-{zc}") for i in range(BLOCKS - len(held))]
-                    got = m.prepare_store(reuse, ctx)
-                    self.assertIsNotNone(got, "rows not held were kept from vLLM")
-                    reused = [int(b) for b in got.store_spec.block_ids]
-                    self.assertEqual(set(reused) & held, set(), "a held row was handed out again")
-                    self.assertIsNone(m.prepare_store([key(99, f"frozen-one-more-{zc}")], ctx),
-                                      "vLLM had a row beyond those: a held row is free")
-                    pattern = {b: np.full(rows.shape[1], (0x5A + 7 * b) & 0xFF, dtype=np.uint8) for b in reused}
-                    for b in reused:
-                        rows[b] = pattern[b]
-                finally:
-                    dm.thaw()
-                d.wait_for(lambda: tier.counters().get("given_up_jobs_ended", 0) == 2,
-                           what="the resumed daemon to end the given-up jobs")
-                for b in reused:
-                    np.testing.assert_array_equal(rows[b], pattern[b], f"the resumed daemon wrote reused row {b}")
-                if zc == "on":  # the late promotion landed, in the rows held for it
-                    np.testing.assert_array_equal(np.stack([rows[b] for b in job_rows[True]]), want_promo)
-                del rows
-                # Once the daemon ended them, the held rows go back to vLLM.
-                m.complete_store(reuse, ctx, False)
-                self.step(m)
-                self.assertIsNotNone(m.prepare_store([key(i, f"frozen-all-{zc}") for i in range(BLOCKS)], ctx),
-                                     "rows still held after the daemon ended their jobs")
-                h.manager.complete_store([key(i, f"frozen-all-{zc}") for i in range(BLOCKS)], ctx, False)
-                # The given-up cascade, finished by the resumed daemon, holds
-                # its own bytes; the promotion's keys promote byte for byte.
-                m.reset_cache()
-                np.testing.assert_array_equal(self.promote_and_read(h, cascade, ctx), want_cascade)
-                np.testing.assert_array_equal(self.promote_and_read(h, promo, ctx), want_promo)
+                self.frozen_reset(dm, h, ctx, tier, zc, m.reset_cache, "TieringOffloadingManager.reset_cache")
+
+    def test_offloading_connectors_reset_cache_returns_within_the_bound_and_no_late_byte_lands_in_a_reused_row(self):
+        # reset_prefix_cache's path from vLLM's scheduler on: vLLM's own
+        # OffloadingConnector (scheduler role) over TieringOffloadingSpec
+        # with KvhostTier, its reset_cache through OffloadingConnectorScheduler.
+        import importlib
+        import types
+        import test_vllm_real_connector as rc
+        base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        oc = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector")
+        kci = importlib.import_module("vllm.v1.kv_cache_interface")
+        import torch
+        spec = kci.FullAttentionSpec(block_size=rc.BLOCK, num_kv_heads=rc.HEADS, head_size=rc.HEAD,
+                                     dtype=torch.bfloat16)
+        kvc = kci.KVCacheConfig(
+            num_blocks=rc.BLOCKS,
+            kv_cache_tensors=[kci.KVCacheTensor(size=rc.BLOCKS * spec.page_size_bytes, shared_by=[n])
+                              for n in rc.NAMES],
+            kv_cache_groups=[kci.KVCacheGroupSpec(layer_names=rc.NAMES, kv_cache_spec=spec)])
+        for zc in self.PATHS:
+            with self.subTest(zero_copy=zc):
+                dm = self.own_daemon()
+                vc = rc.vllm_config(dm.socket, v2=True)
+                vc.kv_transfer_config.engine_id = f"kvhost-waits-oc-{zc}"
+                vc.scheduler_config = types.SimpleNamespace(disable_hybrid_kv_cache_manager=True)
+                vc.speculative_config = None
+                row = spec.page_size_bytes * len(rc.NAMES)
+                extra = vc.kv_transfer_config.kv_connector_extra_config
+                extra.clear()
+                extra.update({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": BLOCKS * row,
+                              "secondary_tiers": [{"type": "KvhostTier", "module_path": "kvhost.vllm",
+                                                   "socket": dm.socket, "reconnect_s": 0.05, "zero_copy": zc,
+                                                   "daemon_wait_s": BOUND, "lookup_ttl_s": 60.0}]})
+                conn = oc.OffloadingConnector(vc, base.KVConnectorRole.SCHEDULER, kvc)
+                self.addCleanup(vllm_tree_unlink, f"kvhost-waits-oc-{zc}")
+                self.addCleanup(conn.shutdown)
+                m = conn.connector_scheduler.manager
+                self.assertEqual(m.primary_tier._num_blocks, BLOCKS)
+                h, ctx = types.SimpleNamespace(manager=m), self.ctx()
+                m.on_new_request(ctx)
+                self.frozen_reset(dm, h, ctx, m.secondary_tiers[0], zc, conn.reset_cache,
+                                  "OffloadingConnector.reset_cache")
+
+    def frozen_reset(self, dm, h, ctx, tier, zc, reset, what):
+        """A promotion and a cascade in flight on the frozen daemon, then
+        reset() (vLLM's reset_cache by what): it returns within the bound,
+        the rows vLLM hands out again keep the pattern written into them
+        after the give-up once the daemon resumed and ended both jobs, and
+        the rows held go back to vLLM then."""
+        R = self.api.LookupResult
+        m = h.manager
+        self.assertEqual(tier.data_path, "zero-copy" if zc == "on" else "copy")
+        promo = [key(i, f"frozen-promo-{zc}") for i in range(3)]
+        want_promo = self.offload(h, promo, ctx, seed=1)
+        m.reset_cache()  # the daemon answers: the promotions below come from kvhost
+        d.wait_for(lambda: all(tier.lookup(k, ctx) == R.HIT for k in promo), what="the tier's HITs")
+        cascade = [key(i, f"frozen-cascade-{zc}") for i in range(4)]
+        dm.freeze()
+        try:
+            # A promotion (the daemon writes vLLM's rows) and a
+            # cascade (it reads them) in flight on the frozen daemon.
+            self.assertEqual([m.lookup(k, ctx) for k in promo], [R.HIT_PENDING] * 3)
+            self.step(m)  # vLLM submits the promotion
+            out = m.prepare_store(cascade, ctx)
+            rows = self.rows(h)
+            want_cascade = np.random.default_rng(2).integers(0, 256, size=(4, rows.shape[1]), dtype=np.uint8)
+            for i, b in enumerate(out.store_spec.block_ids):
+                rows[int(b)] = want_cascade[i]
+            m.complete_store(cascade, ctx)
+            d.wait_for(lambda: len(tier._runs) == 2 and all(r.started for r in tier._runs.values()),
+                       what="the promotion and the cascade sent to the frozen daemon")
+            job_rows = {r.load: list(r.rows) for r in tier._runs.values()}
+            _, took = timed(f"{what}, frozen daemon, zero_copy={zc}", reset)
+            self.assertLess(took, BOUND + MARGIN, "reset_cache waited on the frozen daemon")
+            self.assertEqual(tier.counters()["given_up_jobs"], 2)
+            held = set(job_rows[True] + job_rows[False]) if zc == "on" else set()
+            # vLLM reuses every row it can: each gets a pattern of its own.
+            reuse = [key(i, f"frozen-reuse-{zc}") for i in range(BLOCKS - len(held))]
+            got = m.prepare_store(reuse, ctx)
+            self.assertIsNotNone(got, "rows not held were kept from vLLM")
+            reused = [int(b) for b in got.store_spec.block_ids]
+            self.assertEqual(set(reused) & held, set(), "a held row was handed out again")
+            self.assertIsNone(m.prepare_store([key(99, f"frozen-one-more-{zc}")], ctx),
+                              "vLLM had a row beyond those: a held row is free")
+            pattern = {b: np.full(rows.shape[1], (0x5A + 7 * b) & 0xFF, dtype=np.uint8) for b in reused}
+            for b in reused:
+                rows[b] = pattern[b]
+        finally:
+            dm.thaw()
+        d.wait_for(lambda: tier.counters().get("given_up_jobs_ended", 0) == 2,
+                   what="the resumed daemon to end the given-up jobs")
+        for b in reused:
+            np.testing.assert_array_equal(rows[b], pattern[b], f"the resumed daemon wrote reused row {b}")
+        if zc == "on":  # the late promotion landed, in the rows held for it
+            np.testing.assert_array_equal(np.stack([rows[b] for b in job_rows[True]]), want_promo)
+        del rows
+        # Once the daemon ended them, the held rows go back to vLLM.
+        m.complete_store(reuse, ctx, False)
+        self.step(m)
+        self.assertIsNotNone(m.prepare_store([key(i, f"frozen-all-{zc}") for i in range(BLOCKS)], ctx),
+                             "rows still held after the daemon ended their jobs")
+        h.manager.complete_store([key(i, f"frozen-all-{zc}") for i in range(BLOCKS)], ctx, False)
+        # The given-up cascade, finished by the resumed daemon, holds
+        # its own bytes; the promotion's keys promote byte for byte.
+        m.reset_cache()
+        np.testing.assert_array_equal(self.promote_and_read(h, cascade, ctx), want_cascade)
+        np.testing.assert_array_equal(self.promote_and_read(h, promo, ctx), want_promo)
 
     def test_two_kvhost_tiers_given_up_on_the_same_rows_hold_them_until_both_jobs_end(self):
         dm = self.own_daemon()
