@@ -3,6 +3,8 @@ package client_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"log"
 	"math/rand/v2"
 	"net"
 	"slices"
@@ -146,5 +148,44 @@ func TestARemovalStreamResumesFromItsCursor(t *testing.T) {
 	}
 	if got := removedKeys(t, sub, 1, protocol.RemovalDeleted, ns.Fingerprint); !slices.Equal(got, []string{string(keys[3])}) {
 		t.Fatalf("records after another subscription closed: %v", got)
+	}
+}
+
+// ExampleClient_Removals follows the removals of one namespace, as a
+// router's feeder does, and subscribes again from its cursor after the
+// connection is lost. It needs a running daemon, so it is compiled but not
+// run.
+func ExampleClient_Removals() {
+	ctx := context.Background()
+	g := client.Geometry{Model: "llama-3.1-8b", Layers: 32, KVHeads: 8, HeadSize: 128, DtypeSize: 2,
+		TokensPerBlock: 16, TokensPerKey: 256, TPSize: 1}
+	var cursor client.RemovalCursor // the zero cursor: from now on
+	for {
+		c, err := client.Dial(ctx, client.DefaultSocket(), "router-feeder")
+		if err != nil {
+			log.Fatal(err)
+		}
+		ns, err := c.Declare(ctx, g)
+		if err != nil {
+			log.Fatal(err)
+		}
+		sub, err := c.Removals(ctx, cursor, ns.ID)
+		if err != nil {
+			log.Fatal(err)
+		}
+		for {
+			b, err := sub.Next(ctx)
+			if err != nil {
+				break // the connection went: subscribe again from the cursor
+			}
+			if b.Resync {
+				fmt.Println("every key may be gone: clear the router's view of this pod")
+			}
+			for _, r := range b.Records {
+				fmt.Printf("%x: %s (medium %s)\n", r.Key, r.Reason, sub.Mounts()[r.Mount])
+			}
+			cursor = b.Cursor
+		}
+		c.Close()
 	}
 }
