@@ -855,6 +855,12 @@ class DaemonRestart(TierCase):
         self.assertTrue(res.success, res)
         np.testing.assert_array_equal(region[10:12], want)
 
+    def test_a_given_up_job_is_logged_with_the_daemons_pid_and_whether_it_lives(self):
+        from kvhost.vllm._common import daemon_state
+        t = self.tier(random_region(seed=30), zero_copy="off")
+        self.assertEqual(daemon_state(t._s.client), f"daemon pid {self.daemon.proc.pid}, alive")
+        self.assertEqual(daemon_state(object()), "daemon pid unknown")
+
     def test_drain_jobs_gives_up_on_a_frozen_daemon_within_the_bound_and_no_late_byte_reaches_vllms_rows(self):
         """drain_jobs (vLLM's reset_cache) returns once daemon_wait_s has
         passed with a store and a promotion on the frozen daemon, reporting

@@ -148,7 +148,7 @@ def daemon_pid(client):
     """The pid of the daemon at the other end of client's socket
     (SO_PEERCRED: the process that made the listening socket), None where
     it cannot be read."""
-    sock = getattr(client, "_sock", None)
+    sock = getattr(client, "_sock", None)  # Client has no accessor for it (yet)
     if sock is None:
         return None
     try:
@@ -159,19 +159,20 @@ def daemon_pid(client):
     return pid if pid > 0 else None
 
 
-def process_gone(pid):
-    """Whether process pid is known to have ended (None: unknown, so not
-    known gone). A pid reused by another process reads as alive: the
-    caller keeps waiting, which is the safe side."""
+def daemon_state(client):
+    """For a log line on a daemon that does not answer: its pid and
+    whether that process still exists ("daemon pid 123, alive": frozen
+    or stuck; "gone": its connection's end follows), as far as known."""
+    pid = daemon_pid(client)
     if pid is None:
-        return False
+        return "daemon pid unknown"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: it exists, as another user's process
-        return False
-    return False
+        return f"daemon pid {pid}, gone"
+    except OSError:  # EPERM: it exists, another user's process
+        pass
+    return f"daemon pid {pid}, alive"
 
 
 def check_request_timeout(o):

@@ -34,8 +34,8 @@ from ..client import ConnectionLost, Geometry, KvhostError, Layer
 from . import _namespace as ns_
 from . import spec_compat as sc
 from ._common import (DAEMON_WAIT_S, DaemonAbsent, Reconnects, UnsupportedVLLM, absent_if_late, absent_if_stopping,
-                      check_daemon_wait, check_request_timeout, check_seconds, daemon_key, lost_connection,
-                      merge_options, open_client, reason, setup_timeout, vllm_installed, wait_ended)
+                      check_daemon_wait, check_request_timeout, check_seconds, daemon_key, daemon_state,
+                      lost_connection, merge_options, open_client, reason, setup_timeout, vllm_installed, wait_ended)
 from ._split import CostModel
 
 log = logging.getLogger("vllm.kvhost")
@@ -912,7 +912,7 @@ class ConnectorWorker(_Half):
         g = step.layer_group[i] if step.layer_group[i] in step.jobs else 0
         self._wait_group(step, g, time.monotonic() + self._opts["daemon_wait_s"])
 
-    def _give_up(self, job, blocks, owners, g):
+    def _give_up(self, job, blocks, owners, g, first=True):
         """A load job not ended by daemon_wait_s: its blocks go into the
         step's load errors, and its requests' blocks stay vLLM's until it
         ends (get_finished reports those requests only then; vLLM delays
@@ -921,11 +921,12 @@ class ConnectorWorker(_Half):
         blocks, which a late write of the job fills with the same tokens'
         verified KV; with "fail" the request ends, and its blocks are
         held. A preempted request's blocks are vLLM's to reuse at once:
-        handle_preemptions waits for its given-up loads, however long."""
+        handle_preemptions waits for its given-up loads, however long.
+        Logged once a step (first), the later groups' at debug level."""
         self._stats["load_given_up_jobs"] += 1
-        log.warning("kvhost connector: a load job of layer group %d not ended by the daemon after %gs: given up "
-                    "(vLLM recomputes its %d keys' blocks; its requests' blocks are held until the daemon ends it)",
-                    g, self._opts["daemon_wait_s"], len(blocks))
+        (log.warning if first else log.debug)("kvhost connector: a load job of layer group %d not ended by the daemon after %gs (%s): given "
+                    "up (vLLM recomputes its %d keys' blocks; its requests' blocks are held until the daemon ends "
+                    "it)", g, self._opts["daemon_wait_s"], daemon_state(job._client), len(blocks))
         self._fail(blocks)
         with self._lock:
             for rid in owners:
@@ -957,8 +958,8 @@ class ConnectorWorker(_Half):
                 r = wait_ended(job, self._opts["load_timeout_s"] or None, lambda: until,
                                f"connector: load job of layer group {g}")
             except TimeoutError:  # past daemon_wait_s: the daemon may still write the blocks
+                self._give_up(job, blocks, owners, g, not step.gave_up)
                 step.gave_up = True
-                self._give_up(job, blocks, owners, g)
                 continue
             except Exception as e:  # refused, or the connection closed: recomputed
                 log.warning("kvhost connector: load of layer group %d failed: %s", g, e)

@@ -27,8 +27,8 @@ from .. import protocol as p
 from ..client import KvhostError
 from . import _metrics
 from . import spec_compat as sc
-from ._common import (DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, lost_connection, open_client, reason,
-                      setup_timeout)
+from ._common import (DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, lost_connection, open_client,
+                      reason, setup_timeout)
 from ._namespace import check_served
 
 # vLLM configures only its "vllm" logger (and stops propagation there):

@@ -30,8 +30,8 @@ from .. import protocol as p
 from ..client import Geometry
 from . import _namespace as ns_
 from ._common import (DAEMON_WAIT_S, OffloadingEvent, RequestOffloadingContext,  # noqa: F401 (re-exported)
-                      UnsupportedVLLM, check_daemon_wait, check_request_timeout, check_seconds, daemon_key, merge_options, missing_features,
-                      pick_medium, unsupported, vllm_installed, vllm_version)
+                      UnsupportedVLLM, check_daemon_wait, check_request_timeout, check_seconds, daemon_key,
+                      merge_options, missing_features, pick_medium, unsupported, vllm_installed, vllm_version)
 from ._compat import stats_class
 from ._namespace import IdentityUnknown  # noqa: F401 (re-exported)
 

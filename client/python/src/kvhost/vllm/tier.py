@@ -31,7 +31,7 @@ from ..client import KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
 from ._common import (DAEMON_WAIT_S, DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, check_daemon_wait,
-                      check_request_timeout, check_seconds, daemon_key as _daemon_key, has_field,
+                      check_request_timeout, check_seconds, daemon_key as _daemon_key, daemon_state, has_field,
                       lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options, open_client,
                       open_mapped as _open_mapped, pick_medium as _pick_medium, reason, setup_timeout, wait_ended)
 
@@ -994,7 +994,7 @@ class _TierImpl(Reconnects):
                     while self._inflight:
                         self._cv.wait()
                     return
-            held = 0
+            held, s = 0, self._s
             for r in runs:
                 r.given_up = True
                 if r.started and r.zero_copy:
@@ -1002,8 +1002,9 @@ class _TierImpl(Reconnects):
                     held += len(r.rows)
                 self._give_up_locked(r)
             self._cv.notify_all()
-        log.warning("kvhost tier: drain_jobs gave up after %gs on %d jobs the daemon has not ended (%d of vLLM's "
-                    "rows held out of reuse until it does); reported failed", bound, len(runs), held)
+        log.warning("kvhost tier: drain_jobs gave up after %gs on %d jobs the daemon has not ended (%s; %d of "
+                    "vLLM's rows held out of reuse until it does); reported failed", bound, len(runs),
+                    daemon_state(s.client) if s is not None else "no connection", held)
 
     def _give_up_locked(self, run):
         """Reports run to vLLM as failed, now (drain_jobs)."""
