@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -342,6 +343,7 @@ func TestEveryCallAfterCloseIsRefused(t *testing.T) {
 		"WaitWarmed":        "returns once the warmer started, or at once",
 		"MirrorKeys":        "tells the caller's key set of the index's keys: no mount, no policy",
 		"SetVerifyInterval": "stores a number the closed engine no longer reads",
+		"Removals":          "returns the removal feed, closed with the engine (checked below)",
 	}
 	listed := map[string]bool{}
 	for _, r := range refused {
@@ -356,6 +358,9 @@ func TestEveryCallAfterCloseIsRefused(t *testing.T) {
 		if _, ok := answers[name]; !ok && !listed[name] {
 			t.Errorf("Engine.%s: neither checked to be refused after Close nor listed among the methods that answer", name)
 		}
+	}
+	if _, _, _, err := e.Removals().Subscribe(nil, 0, 0); !errors.Is(err, removals.ErrClosed) {
+		t.Errorf("a removal subscription after Close: %v, want removals.ErrClosed", err)
 	}
 	if n := e.tables.cacheCount(); n != caches {
 		t.Errorf("caches after the calls: %d, want %d", n, caches)

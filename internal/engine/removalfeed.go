@@ -53,6 +53,9 @@ func (e *Engine) Removals() *removals.Feed {
 		e.rm.feed.SetMounts(classes)
 		go e.sweepVanished()
 	})
+	if e.busy.calls.closing() {
+		e.rm.feed.Close() // at once, not when the sweep's goroutine sees the engine closed
+	}
 	return &e.rm.feed
 }
 
