@@ -97,15 +97,18 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, name=f"kvhost-{what}", daemon=True)
         self._thread.start()
 
-    def close(self):
-        """Ends the watcher and its connection. Idempotent."""
+    def close(self, wait=None):
+        """Ends the watcher and its connection, waiting wait seconds at
+        most for its thread (None: its daemon answers' timeout and a
+        second; a thread still connecting to a daemon that does not answer
+        ends once that try does). Idempotent."""
         with self._cv:
             self._closing = True
             client = self._client
             self._cv.notify_all()
         if client is not None:
             client.close()
-        self._thread.join(self._timeout + 1.0)
+        self._thread.join(self._timeout + 1.0 if wait is None else wait)
 
     def _wait(self, seconds):
         """Waits seconds unless closing; reports whether closing."""
@@ -142,13 +145,16 @@ class Watcher:
     def _follow(self):
         """One connection: declares, subscribes from the cursor, hands each
         batch over until the connection ends or the watcher closes."""
-        client = Client(self._socket, name=self._name, timeout=self._timeout, lookup_table=False)
+        client = Client(self._socket, name=self._name, timeout=self._timeout)
         with self._cv:
             if self._closing:
                 client.close()
                 return
             self._client = client
         if not client.supports_removals:
+            with self._cv:
+                self._client = None
+            client.close()  # holding no connection of a daemon that cannot use it
             _log.warning("kvhost %s: the daemon at %s streams no removals (%s): vLLM hears of a removal only "
                          "when a lookup or a load finds a key gone; asking again every minute", self._what,
                          self._socket, client.limits.get("server", "an older daemon"))
@@ -188,8 +194,14 @@ class Watcher:
 
 
 def _pinned(client, ns, dkeys):
-    """Which of dkeys the daemon holds in ns (a pin of lease 0 per
-    MAX_KEYS_PER_REQUEST keys, released at once): a list of bools."""
+    """Which of dkeys the daemon holds in ns, a list of bools: read from
+    the shared lookup table where this process can read it (no round trip,
+    and no access that the daemon's policy would count: the check must
+    not keep keys from eviction), else asked of the daemon by pins of lease
+    0, MAX_KEYS_PER_REQUEST keys each, released at once."""
+    digests = client.key_digests(ns, dkeys)
+    if digests is not None:
+        return [client.lookup_digests(ns, [k], digests[16 * i:16 * i + 16]) == 1 for i, k in enumerate(dkeys)]
     held = []
     for i in range(0, len(dkeys), p.MAX_KEYS_PER_REQUEST):
         chunk = dkeys[i:i + p.MAX_KEYS_PER_REQUEST]
@@ -411,10 +423,11 @@ class _Tracked:
             s["subscribed"] = w.subscribed.is_set()
         return s
 
-    def close(self):
-        """Stops the watcher and closes its connection. Idempotent."""
+    def close(self, wait=None):
+        """Stops the watcher and closes its connection (Watcher.close).
+        Idempotent."""
         if self.watcher is not None:
-            self.watcher.close()
+            self.watcher.close(wait)
 
 
 class _Entry:
@@ -615,6 +628,21 @@ class ConnectorRemovals(_Tracked):
         with self._lock:
             s["verifying_keys"] = len(self._pending)
         return s
+
+
+def parse_media(value, pick=None, what="mount_media"):
+    """The media option ({mount index: medium name}, JSON's string keys
+    too; None: none) as {int: medium}, each name made a medium by pick
+    (vLLM's Medium member: _common.pick_medium; None: the name itself).
+    ValueError naming the option for any other form."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+            (isinstance(k, int) and not isinstance(k, bool) or isinstance(k, str) and k.isdigit())
+            and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"kvhost.vllm: {what}: want {{mount index: medium name}} (e.g. {{\"0\": \"CPU\"}}: the "
+                         f"daemon's first mount holds vLLM's CPU medium), got {value!r}")
+    return {int(k): (pick(v) if pick is not None else v) for k, v in value.items()}
 
 
 def _fields_of(cls):
