@@ -208,7 +208,8 @@ class SplitTest(unittest.TestCase):
     def test_bad_cost_options_are_refused_by_name(self):
         for key, value in [("load_gbps", 0), ("prefill_us_per_token", -1), ("layers_per_load", 0),
                            ("layer_groups", "odd"), ("load_split", "some"), ("tensor_layout", "rows"), ("no_such_option", 1),
-                           ("daemon_wait_s", 0), ("daemon_wait_s", float("inf"))]:
+                           ("daemon_wait_s", 0), ("daemon_wait_s", float("inf")),
+                           ("salt_namespaces", {"salt": "a name"}), ("salt_namespaces", ["salt"])]:
             with self.subTest(key=key):
                 with self.assertRaisesRegex(ValueError, key):
                     C.options({"socket": "/nonexistent", key: value})
@@ -259,7 +260,7 @@ class LayerWaitTest(unittest.TestCase):
         o = C.options({"socket": "/nonexistent", "layers_per_load": layers_per_load, "layer_groups": layer_groups})
         cfg = offloading_config("/nonexistent")
         w = C.ConnectorWorker(cfg, C.identity(cfg, o), o)
-        w._client, w._cache, w._nblocks, w._tensors = _FakeClient(), 1, NBLOCKS, []
+        w._client, w._caches, w._nblocks, w._tensors = _FakeClient(), {None: 1}, NBLOCKS, []
         return w
 
     def test_a_layer_waits_only_for_its_own_group_job(self):

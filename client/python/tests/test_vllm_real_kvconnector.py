@@ -22,6 +22,7 @@ Needs a vLLM source tree: `make test-vllm VLLM_SRC=DIR`; without one every
 test here reports itself skipped.
 """
 
+import collections
 import importlib
 import os
 import pathlib
@@ -223,6 +224,81 @@ class RealKvConnectorTest(RealKvConnectorCase):
     def test_unknown_options_are_refused_by_name(self):
         with self.assertRaisesRegex(ValueError, "no_such_option"):
             self.engine(no_such_option=1)
+
+
+def free_port():
+    """A TCP port of 127.0.0.1 free now (for the daemon's metrics listener)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SaltNamespaces(RealKvConnectorCase):
+    """salt_namespaces: requests of a cache_salt the option names keep
+    their keys in a namespace of that name's, which a [[budget]] of the
+    daemon covers on its own."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.daemon.stop()
+        cls.port = free_port()
+        cls.daemon = d.Daemon(extra_toml=(
+            f'[metrics]\nlisten = "127.0.0.1:{cls.port}"\n\n'
+            '[[budget]]\nmodel = "vllm-conn@tenant-a:*"\nbytes = "64MiB"\n\n'
+            '[[budget]]\nmodel = "vllm-conn@tenant-b:*"\nbytes = "64MiB"\n'))
+
+    def salted(self, req_id, tag, nblk, salt):
+        req = self.request(req_id, tag, nblk)
+        req.cache_salt = salt
+        return req
+
+    def budget_used(self):
+        """kvhost_budget_used_bytes by budget pattern, from the daemon's metrics."""
+        import re
+        import urllib.request
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r'^kvhost_budget_used_bytes\{budget="([^"]+)"\} (\S+)$', text, re.M)}
+
+    def test_a_mapped_salts_requests_keep_their_keys_in_its_namespace_which_its_budget_counts(self):
+        import kvhost
+        sched, worker, kv = self.engine(seed=21, load_split="all",
+                                        salt_namespaces={"salt-a": "tenant-a", "salt-b": "tenant-b"})
+        nblk = 2 * BPC + 1
+        reqs = {"a": self.salted("a", "salted-a", nblk, "salt-a"), "b": self.salted("b", "salted-b", nblk, "salt-b"),
+                "c": self.request("c", "unsalted", nblk), "x": self.salted("x", "unmapped", nblk, "salt-x")}
+        for i, r in enumerate(reqs.values()):
+            self.save_prompt(sched, worker, r, list(range(1 + i * nblk, 1 + (i + 1) * nblk)))
+        with kvhost.Client(self.daemon.socket) as c:
+            listed = c.stats()["namespaces"]["list"]
+        keys = collections.Counter()
+        nbytes = collections.Counter()
+        for n in listed:
+            who = n["model"].split(":", 1)[0]
+            keys[who] += n["keys"]
+            nbytes[who] += n["bytes"]
+        self.assertEqual(dict(keys), {"vllm-conn@tenant-a": 2, "vllm-conn@tenant-b": 2, "vllm-conn": 4}, listed)
+        used = d.wait_for(lambda: (lambda u: u if len(u) == 2 and all(u.values()) else None)(self.budget_used()),
+                          what="the budgets' use in the daemon's metrics")
+        # Each budget counts its salt's namespace, and nothing else.
+        self.assertEqual(used, {"vllm-conn@tenant-a:*": nbytes["vllm-conn@tenant-a"],
+                                "vllm-conn@tenant-b:*": nbytes["vllm-conn@tenant-b"]})
+        # The same keys under another salt's namespace are not found; under
+        # their own they load byte for byte.
+        want = self.rows(kv, list(range(1, 1 + 2 * BPC)))
+        other = self.salted("o", "salted-a", nblk, "salt-b")
+        self.assertEqual(sched.get_num_new_matched_tokens(other, 0), (0, False))
+        dst = list(range(30, 30 + nblk))
+        out = self.load(sched, worker, self.salted("l", "salted-a", nblk, "salt-a"), dst, 2 * BPC * BLOCK)
+        self.assertEqual(out.invalid_block_ids, set())
+        self.assertEqual(self.rows(kv, dst[:2 * BPC]), want)
+
+    def test_salt_namespaces_are_checked(self):
+        for bad in ([("salt-a", "tenant-a")], {"salt-a": "tenant a"}, {"salt-a": ""}, {"": "x"}, {"s": "n" * 33}):
+            with self.subTest(salt_namespaces=bad), self.assertRaisesRegex(ValueError, "salt_namespaces"):
+                self.engine(salt_namespaces=bad)
 
 
 if __name__ == "__main__":

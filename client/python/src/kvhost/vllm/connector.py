@@ -21,10 +21,12 @@ docs/vllm.md ("The KV connector") has the configuration and its options.
 """
 
 import collections
+import collections.abc
 import dataclasses
 import logging
 import math
 import os
+import re
 import threading
 import time
 import types
@@ -77,7 +79,15 @@ OPTIONS = {
     "request_timeout_s": 30.0,  # how long a request waits for the daemon's reply
     "daemon_wait_s": DAEMON_WAIT_S,  # the longest a vLLM call (start, a layer's load, shutdown) waits on the daemon
     "save": True,               # store newly computed prompt chunks
+    "salt_namespaces": None,    # {cache_salt: name}: a request of that salt keeps its keys in namespace name's
 }
+
+# A salt namespace's name: it goes into the namespace's model id
+# ("vllm-conn@<name>:..."), which a [[budget]] table of the daemon names.
+_SALT_NAME = re.compile(r"[A-Za-z0-9._-]{1,32}")
+
+# Namespaces one connection may declare (docs/protocol.md, limits).
+_MAX_NAMESPACES = 64
 
 # kv_connector_extra_config keys read by vLLM's build_offloading_config
 # (tokens per key), accepted.
@@ -117,6 +127,16 @@ def options(extra):
             raise ValueError(f"kvhost.vllm: {k}: want true or false, got {o[k]!r}")
     if not isinstance(o["namespace"], str):
         raise ValueError(f"kvhost.vllm: namespace: want a string, got {o['namespace']!r}")
+    salts = o["salt_namespaces"] or {}
+    if not isinstance(salts, collections.abc.Mapping):
+        raise ValueError(f"kvhost.vllm: salt_namespaces: want a mapping of cache_salt to a name, got {salts!r}")
+    for salt, name in salts.items():
+        if not isinstance(salt, str) or not salt:
+            raise ValueError(f"kvhost.vllm: salt_namespaces: a salt must be a non-empty string, got {salt!r}")
+        if not isinstance(name, str) or not _SALT_NAME.fullmatch(name):
+            raise ValueError(f"kvhost.vllm: salt_namespaces: the name of a salt must be 1-32 of A-Z a-z 0-9 . _ -, "
+                             f"got {name!r}")
+    o["salt_namespaces"] = dict(salts)
     pb = o["page_bytes"]
     if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb <= 0):
         raise ValueError(f"kvhost.vllm: page_bytes: want bytes per layer and GPU block (an integer > 0), got {pb!r}")
@@ -185,16 +205,23 @@ def identity(config, o):
     return ident
 
 
-def geometry(ident, shard):
+def geometry(ident, shard, salt_ns=None):
     """The daemon geometry of the connector's keys at one worker shard:
     one layer per model layer, one plane per layer ("blocks" tensors: a
     block's page is one extent) or two ("planes": K and V apart), each
-    block a page's share in bytes, blocks_per_chunk blocks per key."""
+    block a page's share in bytes, blocks_per_chunk blocks per key. With
+    salt_ns (a salt_namespaces name) the namespace of that name's
+    requests: model id "vllm-conn@<salt_ns>:...", which a budget of the
+    daemon can name apart."""
     planes = 2 if ident["tensor_layout"] == "planes" else 1
     heads, head = ns_.block_shape(ident["page_bytes"] // planes, "page")
     f = ident["fields"]
     desc = {**ident, "group": 0, "shard": shard}
-    return Geometry(model=ns_.model_id(desc, "vllm-conn"), layers=len(sc.groups(ident)[0]["layer_names"]),
+    prefix = "vllm-conn"
+    if salt_ns is not None:
+        desc["salt_namespace"] = salt_ns
+        prefix = f"vllm-conn@{salt_ns}"
+    return Geometry(model=ns_.model_id(desc, prefix), layers=len(sc.groups(ident)[0]["layer_names"]),
                     kv_heads=heads, head_size=head, dtype_size=1, tokens_per_block=1,
                     tokens_per_key=sc.chunk_blocks(ident), mla=planes == 1, tp_rank=shard,
                     tp_size=f["tp_size"] * f["pcp_size"])
@@ -220,14 +247,16 @@ def offloading_config(vllm_config, kv_cache_config, extra):
 class Transfer:
     """One request's keys to load or to save this step, and per key the GPU
     block ids (NO_BLOCK for a block the load leaves out: already on the
-    GPU). Picklable."""
-    __slots__ = ("req_id", "keys", "blocks")
+    GPU). ns: the salt_namespaces name whose namespace holds the keys
+    (None: the engine's own). Picklable."""
+    __slots__ = ("req_id", "keys", "blocks", "ns")
 
-    def __init__(self, req_id, keys, blocks):
+    def __init__(self, req_id, keys, blocks, ns=None):
         self.req_id, self.keys, self.blocks = req_id, list(keys), [list(b) for b in blocks]
+        self.ns = ns
 
     def __reduce__(self):
-        return (Transfer, (self.req_id, self.keys, self.blocks))
+        return (Transfer, (self.req_id, self.keys, self.blocks, self.ns))
 
     def __repr__(self):
         return f"Transfer({self.req_id!r}, {len(self.keys)} keys)"
@@ -272,10 +301,12 @@ class WorkerMeta:
 class _ReqState:
     """The scheduler's record of one request: its keys so far, its block
     ids, the lookup's answer, what it claimed, and its saves."""
-    __slots__ = ("req", "keys", "digests", "blocks", "computed", "hit", "claimed", "next_save", "saved", "loaded")
+    __slots__ = ("req", "keys", "digests", "blocks", "computed", "hit", "claimed", "next_save", "saved", "loaded",
+                 "ns")
 
-    def __init__(self, req):
+    def __init__(self, req, ns=None):
         self.req, self.keys, self.blocks = req, [], []
+        self.ns = ns            # the salt_namespaces name of its cache_salt (None: the engine's namespace)
         self.digests = {}       # ns -> (client, the keys' key_digests so far): hashed once per key
         self.computed = self.hit = self.claimed = 0
         self.next_save = 0      # the first chunk not yet stored nor known stored
@@ -348,6 +379,13 @@ class ConnectorScheduler(_Half):
         self._stats = collections.Counter()
         self._broken, self._closing, self._reconnectors = None, False, []
         self.namespaces = [geometry(ident, r).model for r in range(self._tp)]
+        self._salts = o["salt_namespaces"]
+        # The namespaces' names: None (the engine's) and each salt's name.
+        self._ns_names = [None] + sorted(set(self._salts.values()))
+        if len(self._ns_names) * self._tp > _MAX_NAMESPACES:
+            raise ValueError(f"kvhost.vllm: salt_namespaces: {len(self._ns_names) - 1} names and the engine's own "
+                             f"namespace, each at {self._tp} ranks, are more than the {_MAX_NAMESPACES} namespaces "
+                             f"a connection may declare")
         try:
             self._client, self._ns = self._open()
         except DaemonAbsent as e:
@@ -363,11 +401,13 @@ class ConnectorScheduler(_Half):
         client = open_client(o["socket"], o["client_name"], setup_timeout(o),
                              " (set the connector option \"socket\" or KVHOST_SOCKET)")
         try:
-            nss = []
-            for r in range(self._tp):
-                geo = geometry(self._ident, r)
-                nss.append(client.declare(geo))
-                ns_.check_served(nss[-1].fingerprint, geo)
+            nss = {}  # salt name (None: the engine's) -> its namespace at each rank
+            for name in self._ns_names:
+                nss[name] = []
+                for r in range(self._tp):
+                    geo = geometry(self._ident, r, name)
+                    nss[name].append(client.declare(geo))
+                    ns_.check_served(nss[name][-1].fingerprint, geo)
             client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             client.close()
@@ -403,7 +443,8 @@ class ConnectorScheduler(_Half):
     def _state(self, request):
         st = self._reqs.get(request.request_id)
         if st is None or st.req is not request:
-            st = self._reqs[request.request_id] = _ReqState(request)
+            salt = getattr(request, "cache_salt", None)
+            st = self._reqs[request.request_id] = _ReqState(request, self._salts.get(salt) if salt else None)
         return st
 
     def hit_tokens(self, request, computed):
@@ -421,6 +462,7 @@ class ConnectorScheduler(_Half):
         client, nss = self._usable(), self._ns
         if client is None:
             return computed
+        nss = nss[st.ns]
         try:
             n = last - first
             for ns in nss:  # every rank must hold a key
@@ -519,13 +561,14 @@ class ConnectorScheduler(_Half):
                         request.request_id, len(st.blocks), len(keys), self._bpc)
             per, keys = [], []
         if keys:
-            self._loads[request.request_id] = Transfer(request.request_id, keys, per)
-            self._pin(keys)
+            self._loads[request.request_id] = Transfer(request.request_id, keys, per, st.ns)
+            self._pin(keys, st.ns)
 
-    def _pin(self, keys):
+    def _pin(self, keys, name=None):
         client, nss = self._usable(), self._ns
         if client is None:
             return
+        nss = nss[name]
         try:
             for ns in nss:
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
@@ -588,7 +631,7 @@ class ConnectorScheduler(_Half):
             return
         first = st.next_save
         blocks = [st.blocks[i * self._bpc:(i + 1) * self._bpc] for i in range(first, end)]
-        saves.append(Transfer(st.req.request_id, keys[first:end], blocks))
+        saves.append(Transfer(st.req.request_id, keys[first:end], blocks, st.ns))
         st.next_save = end
         st.saved = True
 
@@ -698,7 +741,8 @@ class ConnectorWorker(_Half):
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._broken, self._closing, self._reconnectors = None, False, []
-        self._client = self._cache = None
+        self._client = self._caches = None              # salt name (None: the engine's) -> cache id
+        self._ns_names = [None] + sorted(set(opts["salt_namespaces"].values()))
         self._tensors = None
         self._nblocks = 0
         self._step = None
@@ -736,7 +780,7 @@ class ConnectorWorker(_Half):
         self._nblocks = min(self._blocks_of(t, n) for t, n in zip(tensors, self._names))
         self._tensors = tensors
         try:
-            self._client, self._cache, self._regions = self._open()
+            self._client, self._caches, self._regions = self._open()
         except DaemonAbsent as e:
             if self._opts["reconnect_s"] <= 0:
                 raise
@@ -792,9 +836,6 @@ class ConnectorWorker(_Half):
         client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", setup_timeout(o))
         regions = {}
         try:
-            geo = geometry(self._ident, self.shard)
-            ns = client.declare(geo)
-            ns_.check_served(ns.fingerprint, geo)
             planes = self._ident["tensor_layout"] == "planes"
             layers = []
             for t in self._tensors:
@@ -814,17 +855,22 @@ class ConnectorWorker(_Half):
                 else:
                     layers.append(Layer(region, offset=off, block_stride=t.stride(0) * es, plane_stride=0,
                                         num_blocks=self._nblocks))
-            cache = client.register_cache(ns, layers)
+            caches = {}  # one per namespace, over the same layers
+            for name in self._ns_names:
+                geo = geometry(self._ident, self.shard, name)
+                ns = client.declare(geo)
+                ns_.check_served(ns.fingerprint, geo)
+                caches[name] = client.register_cache(ns, layers)
             client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             client.close()
             absent_if_stopping(e, o["socket"])
             absent_if_late(e, o["socket"])
             raise
-        return client, cache, regions
+        return client, caches, regions
 
     def _swap_locked(self, new):
-        self._client, self._cache, self._regions = new
+        self._client, self._caches, self._regions = new
         self._layer_loads = None
 
     def layer_loads(self):
@@ -854,7 +900,6 @@ class ConnectorWorker(_Half):
         self._loaded.update(t.req_id for t in loads)
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
-        owners = [t.req_id for t in loads for _ in t.keys]
         bad = [i for i, b in enumerate(blocks) if any(x != p.NO_BLOCK and not 0 <= x < self._nblocks for x in b)]
         client = self._usable()
         if client is None or bad:
@@ -863,25 +908,48 @@ class ConnectorWorker(_Half):
             self._fail(blocks)
             return
         self._fence()
+        # Each namespace's keys (salt_namespaces) load through its own cache.
+        parts = []
+        for t in loads:
+            if parts and parts[-1][0] == t.ns:
+                parts[-1][1].append(t)
+            else:
+                parts.append((t.ns, [t]))
         for g, (first, count) in enumerate(groups):
             jobs = step.jobs[g] = []
-            for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
-                sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
-                try:
-                    if len(groups) > 1:
-                        job = client.load(self._cache, keys[sl], blocks[sl], block=False, layers=(first, count))
-                    else:
-                        job = client.load(self._cache, keys[sl], blocks[sl], block=False)
-                except (KvhostError, ConnectionLost, OSError, ValueError) as e:
-                    log.warning("kvhost connector: load of layers %d-%d: %s", first, first + count - 1, e)
-                    self._fail(blocks[sl])
-                    if lost_connection(e, client):
-                        with self._cv:
-                            self._lost_locked(client, reason(e))
-                    continue
-                jobs.append((job, blocks[sl], frozenset(owners[sl])))
+            for name, ts in parts:
+                self._load_jobs(client, name, ts, first, count, len(groups) > 1, jobs)
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
+
+    def _load_jobs(self, client, name, loads, first, count, ranged, jobs):
+        """Sends the load jobs of loads (all of salt namespace name) for
+        layers [first, first + count) (the whole key where not ranged),
+        appending (job, blocks, owners) to jobs."""
+        keys = [k for t in loads for k in t.keys]
+        blocks = [b for t in loads for b in t.blocks]
+        owners = [t.req_id for t in loads for _ in t.keys]
+        cache = self._caches.get(name) if self._caches is not None else None
+        if cache is None:
+            log.warning("kvhost connector: loads of salt namespace %r, which this worker's salt_namespaces does not "
+                        "name: vLLM recomputes them", name)
+            self._fail(blocks)
+            return
+        for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
+            sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
+            try:
+                if ranged:
+                    job = client.load(cache, keys[sl], blocks[sl], block=False, layers=(first, count))
+                else:
+                    job = client.load(cache, keys[sl], blocks[sl], block=False)
+            except (KvhostError, ConnectionLost, OSError, ValueError) as e:
+                log.warning("kvhost connector: load of layers %d-%d: %s", first, first + count - 1, e)
+                self._fail(blocks[sl])
+                if lost_connection(e, client):
+                    with self._cv:
+                        self._lost_locked(client, reason(e))
+                continue
+            jobs.append((job, blocks[sl], frozenset(owners[sl])))
 
     def _fence(self):
         """Waits until vLLM's CUDA stream has run the work queued so far:
@@ -1072,7 +1140,10 @@ class ConnectorWorker(_Half):
             for i in range(0, len(t.keys), p.MAX_KEYS_PER_REQUEST):
                 sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
                 try:
-                    job = client.store(self._cache, t.keys[sl], t.blocks[sl], block=False)
+                    cache = self._caches.get(t.ns) if self._caches is not None else None
+                    if cache is None:
+                        raise ValueError(f"salt namespace {t.ns!r} is not in this worker's salt_namespaces")
+                    job = client.store(cache, t.keys[sl], t.blocks[sl], block=False)
                 except (KvhostError, ConnectionLost, OSError, ValueError) as e:
                     log.warning("kvhost connector: store: %s", e)
                     with self._cv:
