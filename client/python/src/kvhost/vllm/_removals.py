@@ -218,11 +218,20 @@ class _Tracked:
     max_tracked), the queue of events take_events returns, the watcher,
     the counters and the lag samples."""
 
-    def __init__(self, socket, geometries, medium, *, media, events, watch, name, max_tracked, max_queued,
+    def __init__(self, socket, geometries, medium, *, groups, media, events, watch, name, max_tracked, max_queued,
                  reconnect_s, timeout, what):
         for k, v in (("max_tracked", max_tracked), ("max_queued", max_queued)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {v!r}")
+        # A key of group g is held where every namespace of g holds it:
+        # groups[i] is geometries[i]'s group (the spec's KV-cache group, the
+        # connector's salt namespace), all 0 by default.
+        self._groups = list(groups) if groups is not None else [0] * len(geometries)
+        if len(self._groups) != len(geometries):
+            raise ValueError(f"kvhost.vllm: {len(geometries)} namespaces, {len(self._groups)} groups")
+        self._by_group = collections.defaultdict(list)
+        for i, g in enumerate(self._groups):
+            self._by_group[g].append(i)
         self._lock = threading.Lock()
         self._tracked = collections.OrderedDict()   # daemon key -> _Entry
         self._queue = collections.deque()           # [kind, medium, [(key or entry, record time ns)]]
@@ -306,10 +315,15 @@ class _Tracked:
             self.stats["forgotten_keys"] += 1
             self._push_locked("removed", gone.medium, [(gone, 0)])
 
-    def _removed_locked(self, dkey, t, why):
-        """dkey left the daemon (record time t, or 0): a removal for it
-        where it was reported stored."""
-        e = self._tracked.pop(dkey, None)
+    def _removed_locked(self, dkey, t, why, ns=None):
+        """dkey left the daemon (record time t, or 0; from namespace index
+        ns, None: any of its group's): a removal for it where it was
+        reported stored."""
+        e = self._tracked.get(dkey)
+        if e is not None and ns is not None and ns not in self._namespaces(e):
+            e = None  # a key of that name in another group's namespace
+        if e is not None:
+            del self._tracked[dkey]
         if e is None:
             self.stats["removals_not_reported"] += 1
             self._recent[dkey] = t
@@ -328,24 +342,25 @@ class _Tracked:
         with self._lock:
             self.stats["records"] += len(records)
             for r in records:
-                if r.fingerprint not in fps:
+                i = fps.get(r.fingerprint)
+                if i is None:
                     continue
                 if r.reason == "moved" and r.to is not None:
-                    self._moved_locked(r)
+                    self._moved_locked(r, i)
                 else:
-                    self._removed_locked(r.key, r.time_ns, r.reason.replace("-", "_"))
+                    self._removed_locked(r.key, r.time_ns, r.reason.replace("-", "_"), i)
 
     def _medium_of(self, mount, default):
         """The medium of keys on mount (media's), default where media names
         none: every mount is the half's medium."""
         return self._media.get(mount, self._medium) if self._media else default
 
-    def _moved_locked(self, r):
-        """A key moved between mounts: a change of medium (removed for
-        the medium the router was told, stored for the new one) where the
-        two mounts' media differ; else nothing."""
+    def _moved_locked(self, r, ns):
+        """A key moved between mounts (in namespace index ns): a change of
+        medium (removed for the medium the router was told, stored for the
+        new one) where the two mounts' media differ; else nothing."""
         e = self._tracked.get(r.key)
-        if e is None:
+        if e is None or ns not in self._namespaces(e):
             return
         new = self._medium_of(r.to, e.medium)
         if new == e.medium:
@@ -385,6 +400,10 @@ class _Tracked:
                 if not h:
                     gone.add(e)
         return [e for e in entries if e in gone]
+
+    def _namespaces(self, e):
+        """The indexes of the namespaces that hold e's key (its group's)."""
+        return self._by_group.get(e.group, ())
 
     def _idle(self, conn):
         """Called on the watcher's thread after each batch, and every
@@ -460,18 +479,9 @@ class OffloadingRemovals(_Tracked):
                  timeout=5.0, what="removals", watch=True):
         self._api = api
         self._fields = dict(fields or {})
-        self._groups = list(groups) if groups is not None else [0] * len(geometries)
-        if len(self._groups) != len(geometries):
-            raise ValueError(f"kvhost.vllm: {len(geometries)} namespaces, {len(self._groups)} groups")
-        self._by_group = collections.defaultdict(list)
-        for i, g in enumerate(self._groups):
-            self._by_group[g].append(i)
-        super().__init__(socket, geometries, medium, media=media, events=events, watch=watch, name=name,
-                         max_tracked=max_tracked, max_queued=max_queued, reconnect_s=reconnect_s, timeout=timeout,
-                         what=what)
-
-    def _namespaces(self, e):
-        return self._by_group.get(e.group, ())
+        super().__init__(socket, geometries, medium, groups=groups, media=media, events=events, watch=watch,
+                         name=name, max_tracked=max_tracked, max_queued=max_queued, reconnect_s=reconnect_s,
+                         timeout=timeout, what=what)
 
     def stored(self, keys):
         """keys (vLLM's keys) were stored by this half: a stored event is
@@ -519,35 +529,35 @@ class ConnectorRemovals(_Tracked):
     with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES); medium: the events'
     (vLLM's MEDIUM_STORAGE, "STORAGE"); locality: "LOCAL", "REMOTE" or
     None; geometries: the connector's namespaces, one per rank (a chunk is
-    held where every one holds it). A saved chunk's BlockStored waits
+    held where every one holds it) and, with groups (geometries[i] of
+    group groups[i]), per salt namespace too. A saved chunk's BlockStored waits
     until the daemon holds it (asked every verify_s, for verify_for_s at
     most: a chunk not stored by then gets no event). events and watch as
     OffloadingRemovals'."""
 
-    def __init__(self, api, socket, geometries, *, medium="STORAGE", locality=None, media=None, events=True,
+    def __init__(self, api, socket, geometries, *, groups=None, medium="STORAGE", locality=None, media=None,
+                 events=True,
                  name="vllm-removals", max_tracked=MAX_TRACKED, max_queued=MAX_QUEUED, reconnect_s=1.0,
                  timeout=5.0, verify_s=0.25, verify_for_s=60.0, what="connector removals", watch=True):
         self._api, self._locality = api, locality
         self._convert = getattr(api, "convert", None) or (lambda h: h)
-        self._n = len(geometries)
         self._verify_s, self._verify_for_s = verify_s, verify_for_s
         self._pending = collections.OrderedDict()   # daemon key -> (_Entry, saved at, monotonic)
         self._checked = 0.0
-        super().__init__(socket, geometries, medium, media=media, events=events, watch=watch, name=name,
-                         max_tracked=max_tracked, max_queued=max_queued, reconnect_s=reconnect_s, timeout=timeout,
-                         what=what)
+        super().__init__(socket, geometries, medium, groups=groups, media=media, events=events, watch=watch,
+                         name=name, max_tracked=max_tracked, max_queued=max_queued, reconnect_s=reconnect_s,
+                         timeout=timeout, what=what)
 
-    def _namespaces(self, e):
-        return range(self._n)
 
     def saved(self, key, block_hashes, parent_block_hash, token_ids, block_size, lora_id=None, lora_name=None,
-              extra_keys=None, group_idx=0):
+              extra_keys=None, group_idx=0, group=0):
         """A chunk went to the workers to be stored under key (the daemon's
         key), holding block_hashes (vLLM's BlockHash bytes, in order) of
         block_size tokens each after parent_block_hash (None: the first),
         token_ids its tokens: once the daemon holds it, a BlockStored of
-        them is queued, and its removal will name the same hashes. Never
-        waits on the daemon."""
+        them is queued, and its removal will name the same hashes. group:
+        the group of namespaces it goes to (groups'; the connector's salt
+        namespace). Never waits on the daemon."""
         if not self.events_on:
             return
         info = {"block_hashes": [bytes(h) for h in block_hashes],
@@ -558,7 +568,7 @@ class ConnectorRemovals(_Tracked):
         with self._lock:
             if dkey in self._tracked or dkey in self._pending:
                 return  # reported already, or being checked
-            self._pending[dkey] = (_Entry(dkey, None, self._medium, info), time.monotonic())
+            self._pending[dkey] = (_Entry(dkey, None, self._medium, info, group), time.monotonic())
             while len(self._pending) > self._max_tracked:
                 self._pending.popitem(last=False)
                 self.stats["unverified_dropped"] += 1
