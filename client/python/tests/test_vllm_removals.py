@@ -13,7 +13,9 @@ printed (p50, p99), not asserted."""
 import dataclasses
 import glob
 import os
+import shutil
 import statistics
+import tempfile
 import types
 import unittest
 
@@ -345,6 +347,53 @@ class TestMoves(unittest.TestCase):
                 got = ev.take_events()
                 self.assertEqual([(e.keys, e.medium, e.removed) for e in got],
                                  [([vkey(1)], want[-1][1] if want else "STORAGE", True)])
+
+
+class TestMovesAgainstATieredDaemon(unittest.TestCase):
+    """The tiered policy demotes keys from a memory mount to a disk mount
+    ("moved" records): a medium change only where the operator maps the
+    disk mount to another medium than the tier's."""
+
+    def test_a_demotion_is_a_medium_change_only_where_the_mounts_media_differ(self):
+        hot = tempfile.mkdtemp(prefix="kvhost-test-hot-", dir="/dev/shm")
+        self.addCleanup(shutil.rmtree, hot, True)
+        cold = tempfile.mkdtemp(prefix="kvhost-test-cold-")
+        self.addCleanup(shutil.rmtree, cold, True)
+        d = Daemon(capacity="1MiB", dir=hot,
+                   extra_toml='name = "tiered"\n[policy.params]\nhot = 0\ncold = 1\npromote_hits = 0\n',
+                   after_toml=f'device_class = "memory"\n[[mount]]\npath = "{cold}"\ncapacity = "64MiB"\n')
+        self.addCleanup(d.stop)
+        halves = {}
+        for name, media in (("no media", None), ("disk as CPU", {1: "CPU"})):
+            halves[name] = rm.OffloadingRemovals(OFFLOADING_API, "STORAGE", d.socket, [GEOMETRY], media=media,
+                                                 name="test-" + name.replace(" ", "-"), reconnect_s=0.1)
+            self.addCleanup(halves[name].close)
+            wait_for(halves[name].watcher.subscribed.is_set, timeout=60, what=f"{name}'s subscription")
+        w = Worker(self, d)
+        keys = [vkey(i) for i in range(8)]
+        self.assertEqual(w.store(keys), keys)
+        for h in halves.values():
+            h.stored(keys)
+            h.take_events()
+        w.store([b"filler-%d" % i for i in range(200)])  # the hot mount holds about 60: the first are demoted
+        moved = halves["disk as CPU"]
+        wait_for(lambda: moved.counters().get("medium_changes", 0) >= 1, timeout=60, what="a demotion of a key")
+        self.assertEqual(sum(w.c.lookup(w.ns, [k]) for k in keys), len(keys), "every key still stored")
+        evs = moved.take_events()
+        changed = removed_keys(evs)
+        self.assertTrue(changed)
+        self.assertEqual([(e.removed, e.medium) for e in evs][:2], [(True, "STORAGE"), (False, "CPU")])
+        self.assertEqual(sorted(stored_keys(evs)), sorted(changed))
+        same = halves["no media"]
+        wait_for(lambda: same.counters().get("moves_same_medium", 0) >= len(changed), timeout=60,
+                 what="the same moves seen without media")
+        self.assertEqual(same.take_events(), [])
+        # A removal after the move names the medium the router was told last.
+        self.assertEqual(w.c.delete(w.ns, changed[:1]), 1)
+        evs = events_until(self, moved, removed_keys, "the removal after the move")
+        self.assertEqual([(e.keys, e.medium, e.removed) for e in evs], [(changed[:1], "CPU", True)])
+        evs = events_until(self, same, removed_keys, "the removal without media")
+        self.assertEqual([(e.keys, e.medium, e.removed) for e in evs], [(changed[:1], "STORAGE", True)])
 
 
 class TestGroups(unittest.TestCase):
