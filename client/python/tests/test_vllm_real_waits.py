@@ -371,6 +371,31 @@ class FrozenDaemonUnderTheKvConnector(rk.RealKvConnectorCase):
         self.assertEqual(self.rows(kv, others), pattern, "the resumed daemon wrote a block vLLM handed out")
         self.assertEqual(self.rows(kv, loaded), want, "the late load landed outside the blocks held for it")
 
+    def test_the_schedulers_calls_wait_for_a_frozen_daemon_once_within_the_bound(self):
+        sched, worker, kv = self.engine(seed=14, load_split="all", daemon_wait_s=BOUND, reconnect_s=0.05)
+        nblk = 2 * rk.BPC + 1
+        self.save_prompt(sched, worker, self.request("a", "kvc-frozen-sched", nblk), list(range(1, 1 + nblk)))
+        first, again = self.request("b", "kvc-frozen-sched", nblk), self.request("c", "kvc-frozen-sched", nblk)
+        self.daemon.freeze()
+        try:
+            (n, _), took_lookup = timed("get_num_new_matched_tokens, frozen daemon (the lookup table answers)",
+                                        lambda: sched.get_num_new_matched_tokens(first, 0))
+            _, took_pin = timed("update_state_after_alloc (a pin), frozen daemon",
+                                lambda: sched.update_state_after_alloc(first, self.blocks(list(range(30, 30 + nblk))), n))
+            self.assertLess(took_lookup, BOUND + MARGIN)
+            self.assertLess(took_pin, BOUND + MARGIN, "the pin waited on the frozen daemon")
+            self.assertFalse(sched.counters()["answering"])
+            # Until the daemon answers, no call asks it: nothing is claimed.
+            got, took = timed("get_num_new_matched_tokens after a timeout, frozen daemon",
+                              lambda: sched.get_num_new_matched_tokens(again, 0))
+            self.assertEqual(got, (0, False))
+            self.assertLess(took, BOUND, "a second call waited on the daemon again")
+        finally:
+            self.daemon.thaw()
+        d.wait_for(lambda: sched.counters()["answering"], what="the probe to find the daemon answering")
+        self.assertEqual(sched.get_num_new_matched_tokens(self.request("d", "kvc-frozen-sched", nblk), 0),
+                         (2 * rk.BPC * rk.BLOCK, False))
+
     def test_start_with_a_frozen_daemon_returns_within_the_bound_then_connects_once_it_resumes(self):
         vc, kvc = self.vllm_config(daemon_wait_s=BOUND, reconnect_s=0.05), self.kv_cache_config()
         role = self.base.KVConnectorRole

@@ -378,6 +378,10 @@ class ConnectorScheduler(_Half):
         self._steps = 0                        # steps built
         self._stats = collections.Counter()
         self._broken, self._closing, self._reconnectors = None, False, []
+        # A request made in vLLM's call that the daemon left unanswered for
+        # daemon_wait_s (frozen, stuck) stops every later one until a probe
+        # thread finds it answering (_timed_out); unpins wait for that.
+        self._unanswered, self._unpin_later = False, []
         self.namespaces = [geometry(ident, r).model for r in range(self._tp)]
         self._salts = o["salt_namespaces"]
         # The namespaces' names: None (the engine's) and each salt's name.
@@ -408,7 +412,8 @@ class ConnectorScheduler(_Half):
                     geo = geometry(self._ident, r, name)
                     nss[name].append(client.declare(geo))
                     ns_.check_served(nss[name][-1].fingerprint, geo)
-            client.set_timeout(o["request_timeout_s"])
+            # Every request of the scheduler's is made in a vLLM call
+            # (lookups, pins, unpins): none waits past daemon_wait_s.
         except BaseException as e:
             client.close()
             absent_if_stopping(e, o["socket"])
@@ -424,6 +429,50 @@ class ConnectorScheduler(_Half):
         the next one (where they may name pins of its own)."""
         self._pins.clear()
         self._step_pins = []
+        self._unpin_later = []
+
+    def _ask(self):
+        """The connection for a request made in a vLLM call: None where
+        none is usable, or while the daemon leaves one unanswered."""
+        return None if self._unanswered else self._usable()
+
+    def _timed_out(self, client, e):
+        """A request in vLLM's call waited daemon_wait_s unanswered: no
+        other is made until a thread finds the daemon answering (asking
+        every reconnect_s, or every second where that is 0), so that each
+        call of vLLM's waits for a frozen daemon once at most; meanwhile
+        nothing is claimed or pinned, and unpins wait."""
+        with self._cv:
+            if self._unanswered or self._closing or client is not self._client:
+                return
+            self._unanswered = True
+            self._stats["daemon_timeouts"] += 1
+        log.warning("kvhost connector scheduler: the daemon did not answer within %gs (%s; %s): claiming and "
+                    "pinning nothing until it answers", self._opts["daemon_wait_s"], e, daemon_state(client))
+        threading.Thread(target=self._probe, args=(client,), name="kvhost-connector-probe", daemon=True).start()
+
+    def _probe(self, client):
+        every = self._opts["reconnect_s"] or 1.0
+        while True:
+            with self._cv:
+                deadline = time.monotonic() + every
+                while not self._closing and (left := deadline - time.monotonic()) > 0:
+                    self._cv.wait(left)
+                if self._closing or client is not self._client:
+                    break
+            try:
+                client.unpin(0)  # pin 0 is none: any answer will do
+            except TimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - an answer (a refusal), or a lost connection (Reconnects takes it)
+                pass
+            break
+        with self._cv:
+            self._unanswered = False
+            later, self._unpin_later = self._unpin_later, []
+        if not self._closing:
+            log.info("kvhost connector scheduler: the daemon answers again")
+            self._unpin(later)
 
     # -- lookups ---------------------------------------------------------------
 
@@ -459,7 +508,7 @@ class ConnectorScheduler(_Half):
         first = computed // self._chunk
         if last <= first:
             return computed
-        client, nss = self._usable(), self._ns
+        client, nss = self._ask(), self._ns
         if client is None:
             return computed
         nss = nss[st.ns]
@@ -469,7 +518,9 @@ class ConnectorScheduler(_Half):
                 n = min(n, self._leading(client, ns, keys, first, n, self._digests(st, client, ns, keys)))
         except (KvhostError, ConnectionLost, OSError, ValueError) as e:
             self._stats["lookup_errors"] += 1
-            if lost_connection(e, client):
+            if isinstance(e, TimeoutError):
+                self._timed_out(client, e)
+            elif lost_connection(e, client):
                 with self._cv:
                     self._lost_locked(client, reason(e))
             else:
@@ -565,7 +616,7 @@ class ConnectorScheduler(_Half):
             self._pin(keys, st.ns)
 
     def _pin(self, keys, name=None):
-        client, nss = self._usable(), self._ns
+        client, nss = self._ask(), self._ns
         if client is None:
             return
         nss = nss[name]
@@ -579,6 +630,8 @@ class ConnectorScheduler(_Half):
         except Exception as e:  # the load finds out: its blocks are recomputed
             self._stats["pin_errors"] += 1
             log.debug("kvhost connector: pin: %s", e)
+            if isinstance(e, TimeoutError):
+                self._timed_out(client, e)
 
     def build_connector_meta(self, scheduler_output):
         """The step's ConnectorMetadata: the loads update_state_after_alloc
@@ -657,9 +710,18 @@ class ConnectorScheduler(_Half):
 
     def _unpin(self, pins):
         client = self._client
-        for pin_id in pins:
+        with self._cv:
+            if self._unanswered:  # sent once the daemon answers again (_probe)
+                self._unpin_later += pins
+                return
+        for i, pin_id in enumerate(pins):
             try:
                 client.unpin(pin_id)
+            except TimeoutError as e:
+                with self._cv:
+                    self._unpin_later += pins[i:]
+                self._timed_out(client, e)
+                return
             except Exception as e:  # the connection's end releases them anyway
                 log.debug("kvhost connector: unpin: %s", e)
 
@@ -679,6 +741,7 @@ class ConnectorScheduler(_Half):
         s["load_gbps"] = self.cost.load_gbps
         s["pinned_steps"] = len(self._pins)
         s["connected"] = self._broken is None
+        s["answering"] = not self._unanswered  # False: a request timed out, a probe waits for the daemon
         return s
 
     def shutdown(self):
