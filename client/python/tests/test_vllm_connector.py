@@ -256,8 +256,9 @@ class _FakeClient:
 class LayerWaitTest(unittest.TestCase):
     """The worker's waits per layer group, against a stand-in client."""
 
-    def worker(self, layers_per_load, layer_groups="even"):
-        o = C.options({"socket": "/nonexistent", "layers_per_load": layers_per_load, "layer_groups": layer_groups})
+    def worker(self, layers_per_load, layer_groups="even", **extra):
+        o = C.options({"socket": "/nonexistent", "layers_per_load": layers_per_load, "layer_groups": layer_groups,
+                       **extra})
         cfg = offloading_config("/nonexistent")
         w = C.ConnectorWorker(cfg, C.identity(cfg, o), o)
         w._client, w._caches, w._nblocks, w._tensors = _FakeClient(), {None: 1}, NBLOCKS, []
@@ -329,12 +330,37 @@ class LayerWaitTest(unittest.TestCase):
             w.wait_layer(n)
         self.assertEqual(w.take_errors(), set())
 
+    def test_a_load_not_ended_within_daemon_wait_s_is_given_up_and_its_request_reported_once_it_ends(self):
+        w = self.worker(1, daemon_wait_s=0.2)
+        w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0", b"k1"], [[0, 1], [2, 3]])]))
+        jobs = w._client.jobs
+        for n in NAMES:  # the first group waits 0.2 s, the later ones are not waited for
+            w.wait_layer(n)
+        self.assertEqual(w.take_errors(), {0, 1, 2, 3})
+        self.assertEqual(w.finished({"r"}), set(), "reported while the daemon may still write its blocks")
+        for j in jobs[:-1]:
+            j.finish()
+        self.assertEqual(w.finished(set()), set())
+        jobs[-1].finish()
+        self.assertEqual(w.finished(set()), {"r"})
+        self.assertEqual(w.counters()["load_given_up_jobs"], LAYERS)
+
+    def test_a_request_whose_loads_ended_is_reported_once_it_finishes(self):
+        w = self.worker(1)
+        w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0"], [[0, 1]])]))
+        for j in w._client.jobs:
+            j.finish()
+        w.finish_loads()
+        self.assertEqual(w.finished(set()), set(), "reported before vLLM finished it")
+        self.assertEqual(w.finished({"r"}), {"r"})
+
     def test_metadata_pickles(self):
-        meta = C.ConnectorMetadata(loads=[C.Transfer("r", [b"k"], [[1, P.NO_BLOCK]])],
+        meta = C.ConnectorMetadata(loads=[C.Transfer("r", [b"k"], [[1, P.NO_BLOCK]], "tenant-a")],
                                    saves=[C.Transfer("s", [b"j"], [[2, 3]])], preempted={"x"})
         got = pickle.loads(pickle.dumps(meta))
-        self.assertEqual((got.loads[0].keys, got.loads[0].blocks, got.saves[0].req_id, got.preempted),
-                         ([b"k"], [[1, P.NO_BLOCK]], "s", {"x"}))
+        self.assertEqual((got.loads[0].keys, got.loads[0].blocks, got.loads[0].ns, got.saves[0].req_id,
+                          got.saves[0].ns, got.preempted),
+                         ([b"k"], [[1, P.NO_BLOCK]], "tenant-a", "s", None, {"x"}))
 
 
 @unittest.skipUnless(HAVE_TORCH, "needs torch (CPU)")
