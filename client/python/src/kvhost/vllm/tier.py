@@ -216,6 +216,7 @@ class _HeldRows:
         return held
 
     def hold(self, rows):
+        """rows (vLLM's) are a given-up job's, which the daemon may still touch."""
         with self._lock:
             self.count.update(rows)
 
