@@ -51,7 +51,7 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client
+from ..client import Client, ConnectionLost
 from ._common import daemon_key, reason
 
 # A child of vLLM's "vllm" logger, the one vLLM configures.
@@ -129,9 +129,16 @@ class Watcher:
             except Exception as e:  # no daemon, a lost connection, a refusal: try again
                 with self._cv:
                     closing = self._closing
-                if not closing and time.monotonic() - said >= 60:
+                if closing:
+                    pass
+                elif isinstance(e, (OSError, ConnectionLost)):
+                    # No daemon (yet), or it went: the half logs its own
+                    # outage, once.
+                    _log.debug("kvhost %s: no removal stream from the daemon at %s (%s); trying again every %gs",
+                               self._what, self._socket, reason(e), self._every)
+                elif time.monotonic() - said >= 60:
                     said = time.monotonic()
-                    _log.warning("kvhost %s: no removal stream from the daemon at %s (%s); trying again every "
+                    _log.warning("kvhost %s: the daemon at %s refuses a removal stream (%s); trying again every "
                                  "%gs", self._what, self._socket, reason(e), self._every)
             finally:
                 with self._cv:
@@ -181,9 +188,9 @@ class Watcher:
                     return
             if b is not None and b.resync:
                 self.resyncs += 1
-                _log.info("kvhost %s: the daemon's removals since %s cannot be served without a gap (a restart, "
-                          "or this watcher fell behind): checking the keys reported stored", self._what,
-                          self.cursor)
+                _log.debug("kvhost %s: the daemon's removals since %s cannot be served without a gap (a restart, "
+                           "or this watcher fell behind): checking the keys reported stored", self._what,
+                           self.cursor)
                 self._on_gap(conn)
             elif b is not None and b.removals:
                 self._on_records(conn, b.removals)
