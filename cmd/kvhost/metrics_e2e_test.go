@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/client"
 )
 
 // TestMetricsMoveDuringAnEndToEndRun runs the daemon in this process with
@@ -122,6 +124,23 @@ func TestMetricsMoveDuringAnEndToEndRun(t *testing.T) {
 	if code := run(ctx, []string{"health", "--socket", filepath.Join(dir, "nothing.sock"), "--timeout", "2s"}, &out, &errb); code != 1 || !strings.Contains(errb.String(), "unhealthy") {
 		t.Errorf("kvhost health without a daemon: exit %d, stderr %q", code, errb.String())
 	}
+
+	// A removal subscriber and a deleted key move the removal metrics.
+	sub, err := k.c.Removals(ctx, client.RemovalCursor{}, k.ns.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := k.c.Delete(ctx, k.ns.ID, [][]byte{[]byte("key-0")}); err != nil || n != 1 {
+		t.Fatalf("delete: %d %v", n, err)
+	}
+	if b, err := sub.Next(ctx); err != nil || b.Resync || len(b.Records) != 1 {
+		t.Fatalf("removal batch %+v, %v: want the deleted key's", b, err)
+	}
+	removed := scrapeMetrics(t, addr)
+	if r, s := metricValue(removed, "kvhost_removal_records_total"), metricValue(removed, "kvhost_removal_subscribers"); r != 1 || s != 1 {
+		t.Errorf("removal metrics: records %v, subscribers %v; want 1 and 1", r, s)
+	}
+	sub.Close(ctx)
 
 	cancel()
 	if code := <-exit; code != 0 {

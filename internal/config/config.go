@@ -280,6 +280,9 @@ type Engine struct {
 	IOWorkers int `toml:"io_workers"`
 	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA node).
 	CPUs []int `toml:"cpus"`
+	// RemovalRing is the records the removal feed keeps for its
+	// subscribers (routers told of removals); 0 means 65,536.
+	RemovalRing int `toml:"removal_ring"`
 	// StagingMemory bounds the aligned bounce buffers.
 	StagingMemory Size `toml:"staging_memory"`
 	// YieldBytes: a thread copying a transfer's bytes (an I/O worker, a
@@ -928,6 +931,8 @@ func (c *Config) Validate() error {
 	switch {
 	case c.Engine.IOWorkers < 0 || c.Engine.IOWorkers > 256:
 		return bad("engine.io_workers", "between 0 (automatic) and 256", c.Engine.IOWorkers)
+	case c.Engine.RemovalRing < 0 || c.Engine.RemovalRing > 1<<24:
+		return bad("engine.removal_ring", "between 0 (65,536 records) and 16,777,216", c.Engine.RemovalRing)
 	case c.Engine.StagingMemory < 1<<20:
 		return bad("engine.staging_memory", "at least 1MiB", c.Engine.StagingMemory)
 	case c.Engine.YieldBytes != 0 && (c.Engine.YieldBytes < 64<<10 || c.Engine.YieldBytes > 1<<30):

@@ -41,6 +41,7 @@ fsync = true
 reuse_files = false
 cpus = [0, 1]
 node_id = "gpu-node-7"
+removal_ring = 4096
 
 [[mount]]
 path = "/nvme/kv"
@@ -61,7 +62,8 @@ low_watermark = 0.8
 		t.Fatal(err)
 	}
 	if c.Server.SocketMode != 0o600 || c.Policy.Name != "sharded" || c.Policy.MemoryLimit != 32<<20 ||
-		time.Duration(c.Policy.CallTimeout) != 50*time.Millisecond || !c.Engine.Fsync || len(c.Engine.CPUs) != 2 || c.Engine.Reuse() {
+		time.Duration(c.Policy.CallTimeout) != 50*time.Millisecond || !c.Engine.Fsync || len(c.Engine.CPUs) != 2 || c.Engine.Reuse() ||
+		c.Engine.RemovalRing != 4096 {
 		t.Fatalf("decoded %+v", c)
 	}
 	if len(c.Mounts) != 2 || c.Mounts[0].Capacity != 100<<30 || c.Mounts[1].Capacity != 1<<40 ||
@@ -190,6 +192,7 @@ func TestParseErrors(t *testing.T) {
 		{"gpu poll", "[gpu]\npoll = \"2s\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s, got 2s"},
 		{"negative gpu poll", "[gpu]\npoll = \"-1ms\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s"},
 		{"idle registrars", "[gpu]\nidle_registrars = 9", "kvhost.toml:2: gpu.idle_registrars: want between 0 (none) and 8, got 9"},
+		{"removal ring", "[engine]\nremoval_ring = -1", "kvhost.toml:2: engine.removal_ring: want between 0 (65,536 records) and 16,777,216, got -1"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
 		{"io mode of a second mount", "[[mount]]\npath = \"/a\"\nio = \"direct\"\n\n[[mount]]\npath = \"/b\"\nio = \"directt\"", `kvhost.toml:7: mount.io: want "auto", "direct" or "buffered", got "directt"`},
 		{"unknown key of a second mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"\ncapasity = 5", `kvhost.toml:5: unknown key "mount.capasity"`},

@@ -413,6 +413,12 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		scfg.DeviceUUIDs = gp.deviceUUIDs(scfg.Devices)
 		scfg.DeviceFaults = gp.deviceFaults
 	}
+	if n := cfg.Engine.RemovalRing; n > 0 {
+		if err := eng.Removals().SetSize(n); err != nil {
+			sock.Close()
+			return errors.Join(fmt.Errorf("engine.removal_ring: %w", err), closeEngine())
+		}
+	}
 	srv, err := server.New(eng, scfg)
 	if err != nil {
 		sock.Close()
@@ -428,6 +434,10 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			Engine: EngineMetrics(eng.Stats), Server: ServerMetrics(srv.Stats), Policy: PolicyMetrics(d.pol.State),
 			DataPaths: d.dataPaths, Staging: eng.StagingUsage, Statfs: StatfsMetrics(d.fs),
 			Stalled: func() string { return wd.Unhealthy(time.Now()) },
+			Removals: func() metrics.RemovalStats {
+				st := eng.Removals().Stats()
+				return metrics.RemovalStats{Published: st.Published, Resyncs: st.Resyncs, Subscribers: st.Subscribers}
+			},
 			Reloads: func() (uint64, uint64) {
 				d.mu.Lock()
 				defer d.mu.Unlock()
