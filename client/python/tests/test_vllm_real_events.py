@@ -16,7 +16,10 @@ encoding as msgspec does over python3-msgpack. Everything else is vLLM's
 code from the tree (make test-vllm VLLM_SRC=DIR), pyzmq is Debian's.
 
 The lag from a removal in the daemon to the router's socket is printed
-(p50, p99), not asserted."""
+(p50, p99), not asserted. TestTierInVllm and TestConnectorInVllm run
+KvhostTier inside vLLM's TieringOffloadingManager and KvhostConnector as
+vLLM's factory builds it; they skip until those integrations report
+removals (docs/routers.md)."""
 
 import enum
 import importlib.util
@@ -29,6 +32,7 @@ import threading
 import time
 import types
 import unittest
+from unittest import mock
 
 import kvhost
 from kvhost.vllm import _removals as rm
@@ -264,16 +268,18 @@ class Router:
         self.sock.close(linger=0)
 
 
-@unittest.skipIf(_DEPS, _DEPS or "")
-@unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
-class TestRealKVEvents(unittest.TestCase):
+class Published:
+    """vLLM's ZmqEventPublisher on an ipc endpoint of the test's and a
+    Router subscribed to it (start_publishing, in setUp), and what vLLM's
+    scheduler does each step with the events it collected (publish)."""
+
     @classmethod
-    def setUpClass(cls):
+    def load_events(cls):
         cls.api = vllm_tree.load()
         cls.kv, cls.ev, cls.shimmed = real_event_modules(cls.api)
         print(f"\n{cls.api.name}: vLLM's kv_events over {'a msgspec shim (msgpack)' if cls.shimmed else 'msgspec'}")
 
-    def setUp(self):
+    def start_publishing(self):
         self.tmp = tempfile.mkdtemp(prefix="kvhost-zmq-")
         self.addCleanup(shutil.rmtree, self.tmp, True)
         self.endpoint = f"ipc://{self.tmp}/events"
@@ -281,8 +287,6 @@ class TestRealKVEvents(unittest.TestCase):
         self.addCleanup(self.pub.shutdown)
         self.router = Router(self.endpoint)
         self.addCleanup(self.router.close)
-        self.d = Daemon(capacity="64MiB")
-        self.addCleanup(self.d.stop)
 
     def publish(self, events):
         """What vLLM's scheduler does each step with the connector's events."""
@@ -308,6 +312,21 @@ class TestRealKVEvents(unittest.TestCase):
             self.publish([probe])
             return bool(self.router.taken())
         wait_for(heard, timeout=60, what="the router's subscription")
+
+
+@unittest.skipIf(_DEPS, _DEPS or "")
+@unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
+class TestRealKVEvents(Published, unittest.TestCase):
+    """The machinery (stand-ins of the halves) into vLLM's classes."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.load_events()
+
+    def setUp(self):
+        self.start_publishing()
+        self.d = Daemon(capacity="64MiB")
+        self.addCleanup(self.d.stop)
 
     def test_the_tiers_removals_reach_a_router_as_block_removed_through_vllms_tracker_and_publisher(self):
         a, kv = self.api, self.kv
@@ -390,3 +409,114 @@ class TestRealKVEvents(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _wired(module, options, what):
+    """None where kvhost.vllm's module (tier, connector) reports removals
+    (its options name max_tracked_keys: docs/routers.md), else why the
+    test skips."""
+    import importlib
+    m = importlib.import_module(f"kvhost.vllm.{module}")
+    if "max_tracked_keys" in getattr(m, options):
+        return None
+    return f"the {what} does not report removals in this checkout yet (kvhost.vllm._removals not wired)"
+
+
+from test_vllm_real_tier import RealTieringCase, key as tier_key  # noqa: E402
+
+
+@unittest.skipIf(_DEPS, _DEPS or "")
+@unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
+@unittest.skipIf(_wired("tier", "_OWN_KEYS", "tier"), _wired("tier", "_OWN_KEYS", "tier") or "")
+class TestTierInVllm(Published, RealTieringCase):
+    """KvhostTier in vLLM's TieringOffloadingManager, its events through
+    vLLM's tracker and publisher to a router."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.load_events()
+
+    def setUp(self):
+        super().setUp()
+        self.start_publishing()
+
+    def test_a_key_the_daemon_drops_reaches_the_router_as_block_removed_on_storage_and_kept_keys_get_none(self):
+        h = self.engine(events=True)
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        tier = m.secondary_tiers[0]
+        wait_for(lambda: tier.counters()["events"].get("subscribed"), timeout=60, what="the tier's subscription")
+        self.connected(self.kv.AllBlocksCleared())
+        tracker = self.ev.OffloadingEventsTracker(self.api.OffloadingKVEventsConfig(
+            enable_kv_cache_events=True, self_describing_kv_events=False))
+        ks = [tier_key(i, "router") for i in range(4)]
+        self.offload(h, ks, ctx)
+        cv = convert()
+
+        def step():
+            self.publish(tracker.take_events(m.take_events()))
+
+        def on_storage(got, tag):
+            return [h for t, f, _, _ in got if t == tag and f["medium"] == "STORAGE" for h in f["block_hashes"]]
+        got = self.until(step, lambda g: len(on_storage(g, "BlockStored")) >= 4, "the stored events")
+        self.assertEqual(sorted(on_storage(got, "BlockStored")), sorted(cv(k[:-4]) for k in ks))
+        other = kvhost.Client(self.daemon.socket)
+        self.addCleanup(other.close)
+        self.assertEqual(other.delete(other.declare(tier.namespace.geometry), ks[:2]), 2)
+        got = self.until(step, lambda g: len(on_storage(g, "BlockRemoved")) >= 2, "the removals")
+        self.assertEqual(sorted(on_storage(got, "BlockRemoved")), sorted(cv(k[:-4]) for k in ks[:2]))
+        step()
+        self.assertEqual(on_storage(self.router.taken(), "BlockRemoved"), [], "a kept key reported removed")
+
+
+from test_vllm_real_kvconnector import BPC, RealKvConnectorCase  # noqa: E402
+
+
+@unittest.skipIf(_DEPS, _DEPS or "")
+@unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
+@unittest.skipIf(_wired("connector", "OPTIONS", "KV connector"), _wired("connector", "OPTIONS", "KV connector") or "")
+class TestConnectorInVllm(Published, RealKvConnectorCase):
+    """KvhostConnector built by vLLM's factory with vLLM's KV events on:
+    its take_events, as vLLM's scheduler publishes them, to a router."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.load_events()
+
+    def setUp(self):
+        super().setUp()
+        self.start_publishing()
+
+    def vllm_config(self, **extra):
+        vc = super().vllm_config(**extra)
+        from vllm.config.kv_events import KVEventsConfig
+        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
+        return vc
+
+    def test_a_saved_prompts_chunks_reach_the_router_stored_then_removed_with_their_block_hashes(self):
+        with mock.patch.dict(sys.modules, {"vllm.distributed.kv_events": self.kv}):
+            sched, worker, _ = self.engine(seed=3)
+        wait_for(lambda: sched.counters()["events"].get("subscribed"), timeout=60, what="the subscription")
+        self.connected(self.kv.AllBlocksCleared())
+        nblk = 2 * BPC + 1
+        req = self.request("a", "kvc-router", nblk)
+        self.save_prompt(sched, worker, req, list(range(1, 1 + nblk)))
+        cv = convert()
+        want = [[cv(bytes(h)) for h in req.block_hashes[i * BPC:(i + 1) * BPC]] for i in range(2)]
+
+        def step():
+            self.publish(sched.take_events())
+        got = self.until(step, lambda g: sum(t == "BlockStored" for t, _, _, _ in g) >= 2, "the stored events")
+        self.assertEqual([f["block_hashes"] for t, f, _, _ in got if t == "BlockStored"], want)
+        self.assertTrue(all(f["medium"] == "STORAGE" for t, f, _, _ in got if t == "BlockStored"))
+        other = kvhost.Client(self.daemon.socket)
+        self.addCleanup(other.close)
+        from kvhost.vllm import connector
+        ns = other.declare(connector.geometry(sched._ident, 0))
+        key = bytes(req.block_hashes[BPC - 1]) + (0).to_bytes(4, "big")
+        self.assertEqual(other.delete(ns, [key]), 1)
+        got = self.until(step, lambda g: any(t == "BlockRemoved" for t, _, _, _ in g), "the removal")
+        self.assertEqual([(t, f["block_hashes"], f["medium"]) for t, f, _, _ in got if t != "AllBlocksCleared"],
+                         [("BlockRemoved", want[0], "STORAGE")])
