@@ -411,6 +411,21 @@ if __name__ == "__main__":
     unittest.main()
 
 
+class PublishedInVllm(Published):
+    """Published beside a vllm_tree.RealCase of another test module: its
+    class set-up, then vLLM's event modules; its set-up, then the
+    publisher and the router."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.load_events()
+
+    def setUp(self):
+        super().setUp()
+        self.start_publishing()
+
+
 def _wired(module, options, what):
     """None where kvhost.vllm's module (tier, connector) reports removals
     (its options name max_tracked_keys: docs/routers.md), else why the
@@ -428,18 +443,9 @@ from test_vllm_real_tier import RealTieringCase, key as tier_key  # noqa: E402
 @unittest.skipIf(_DEPS, _DEPS or "")
 @unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
 @unittest.skipIf(_wired("tier", "_OWN_KEYS", "tier"), _wired("tier", "_OWN_KEYS", "tier") or "")
-class TestTierInVllm(Published, RealTieringCase):
+class TestTierInVllm(PublishedInVllm, RealTieringCase):
     """KvhostTier in vLLM's TieringOffloadingManager, its events through
     vLLM's tracker and publisher to a router."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.load_events()
-
-    def setUp(self):
-        super().setUp()
-        self.start_publishing()
 
     def test_a_key_the_daemon_drops_reaches_the_router_as_block_removed_on_storage_and_kept_keys_get_none(self):
         h = self.engine(events=True)
@@ -476,18 +482,9 @@ from test_vllm_real_kvconnector import BPC, RealKvConnectorCase  # noqa: E402
 @unittest.skipIf(_DEPS, _DEPS or "")
 @unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
 @unittest.skipIf(_wired("connector", "OPTIONS", "KV connector"), _wired("connector", "OPTIONS", "KV connector") or "")
-class TestConnectorInVllm(Published, RealKvConnectorCase):
+class TestConnectorInVllm(PublishedInVllm, RealKvConnectorCase):
     """KvhostConnector built by vLLM's factory with vLLM's KV events on:
     its take_events, as vLLM's scheduler publishes them, to a router."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.load_events()
-
-    def setUp(self):
-        super().setUp()
-        self.start_publishing()
 
     def vllm_config(self, **extra):
         vc = super().vllm_config(**extra)
