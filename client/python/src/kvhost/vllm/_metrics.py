@@ -33,6 +33,9 @@ COUNTERS = {
     "reconnects": ("reconnects", "Times the connection to the kvhost daemon was made again after it was lost."),
     "repinned_keys": ("repinned_keys", "Keys being loaded that the manager queued to pin again on a new daemon."),
     "no_worker_keys": ("no_worker_keys", "Keys answered MISS because no worker's KV cache was registered with the daemon."),
+    "given_up_jobs": ("given_up_jobs", "Jobs drain_jobs gave up on (the daemon did not end them within daemon_wait_s)."),
+    "load_given_up_jobs": ("load_given_up_jobs", "Connector load jobs given up after daemon_wait_s."),
+    "daemon_timeouts": ("daemon_timeouts", "Connector scheduler requests the daemon left unanswered for daemon_wait_s."),
 }
 PREFIX = "vllm:kv_offload_kvhost_"
 INFLIGHT = PREFIX + "inflight_jobs"
