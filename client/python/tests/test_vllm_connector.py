@@ -253,6 +253,32 @@ class _FakeClient:
         return j
 
 
+class PrefillTimingTest(unittest.TestCase):
+    """The scheduler learns its prefill model's scale from the forward
+    passes the workers time."""
+
+    def test_worker_metas_join_each_steps_slower_pass_and_pickle(self):
+        a = C.WorkerMeta(10, 1.0, [1], [(5, 0.2), (6, 0.1)])
+        b = C.WorkerMeta(20, 2.0, [2], [(5, 0.3)])
+        got = pickle.loads(pickle.dumps(a.aggregate(b)))
+        self.assertEqual((got.nbytes, got.seconds, got.steps), (30, 2.0, (1, 2)))
+        self.assertEqual(got.computes, ((5, 0.3), (6, 0.1)))
+
+    def test_a_timed_pass_moves_the_prefill_scale(self):
+        cls = C.connector_class(NS(KVConnectorBase_V1=None))
+        sched = cls(None, "scheduler", config=offloading_config("/nonexistent"))  # connects later
+        self.addCleanup(sched.shutdown)
+        req = Request("r", "prefill", 512)  # 8,192 tokens: a pass the model prices at ~0.2 s
+        meta = sched.build_connector_meta(new_output(req, list(range(512)), 0, req.num_tokens))
+        modelled = sched.cost_model.compute_s(req.num_tokens, 0)
+        for step, seconds, scale in [(meta.step, 2 * modelled, 1.0 + 0.2), (meta.step, 2 * modelled, 1.2),
+                                     (99, 0.5, 1.2)]:  # a step reported twice, or never built: ignored
+            sched.update_connector_output(NS(kv_connector_worker_meta=C.WorkerMeta(computes=[(step, seconds)]),
+                                             finished_sending=None))
+            self.assertAlmostEqual(sched.counters()["prefill_scale"], scale, places=6)
+        self.assertEqual(sched.counters()["compute_measurements"], 1)
+
+
 class LayerWaitTest(unittest.TestCase):
     """The worker's waits per layer group, against a stand-in client."""
 
@@ -319,6 +345,21 @@ class LayerWaitTest(unittest.TestCase):
                 got = C.layer_groups(layers, per, shape)
                 self.assertEqual(got, want)
                 self.assertEqual([l for f, n in got for l in range(f, f + n)], list(range(layers)))
+
+    def test_a_step_without_loads_has_its_forward_pass_timed(self):
+        w = self.worker(4)
+        w.start_load(C.ConnectorMetadata(step=3))  # nothing to load: the pass is timed
+        w.end_pass()
+        w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0"], [[0, 1]])], step=4))
+        for j in w._client.jobs:
+            j.finish()
+        w.end_pass()  # a pass with loads waits for them: not a measure of compute
+        w.finish_loads()
+        wm = w.worker_meta()
+        self.assertEqual([s for s, _ in wm.computes], [3])
+        self.assertGreaterEqual(wm.computes[0][1], 0.0)
+        self.assertEqual(wm.steps, (4,))
+        self.assertIsNone(w.worker_meta())  # reported once
 
     def test_a_daemon_without_layer_loads_gets_one_job_for_every_layer(self):
         w = self.worker(1)

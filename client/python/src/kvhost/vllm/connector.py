@@ -94,6 +94,9 @@ _MAX_NAMESPACES = 64
 VLLM_KEYS = frozenset({"block_size", "blocks_per_chunk", "canonical_layout"})
 
 SPLITS = ("auto", "all", "off")
+# Steps whose work the scheduler keeps for their forward passes' times (and
+# passes a worker keeps until their events have run).
+WORK_STEPS = 64
 LAYER_GROUPS = ("ramp", "even")
 TENSOR_LAYOUTS = ("blocks", "planes")
 
@@ -280,19 +283,26 @@ class ConnectorMetadata:
 class WorkerMeta:
     """What a worker tells the scheduler after a step
     (build_connector_worker_meta): the steps whose loads ended (their pins
-    can go), and the bytes the loads moved and the seconds they took, for
-    the split's load rate. vLLM joins the workers' (aggregate)."""
+    can go), the bytes the loads moved and the seconds they took, for the
+    split's load rate, and computes, (step, seconds) of forward passes
+    without loads the worker timed, for its prefill model. vLLM joins the
+    workers' (aggregate)."""
 
-    def __init__(self, nbytes=0, seconds=0.0, steps=()):
+    def __init__(self, nbytes=0, seconds=0.0, steps=(), computes=()):
         self.nbytes, self.seconds, self.steps = int(nbytes), float(seconds), tuple(steps)
+        self.computes = tuple((int(s), float(t)) for s, t in computes)
 
     def aggregate(self, other):
-        """Both workers' bytes, the slower one's time, either's steps."""
+        """Both workers' bytes, the slower one's time, either's steps, and
+        per step the slower worker's forward pass (ranks run in step)."""
+        computes = dict(self.computes)
+        for s, t in other.computes:
+            computes[s] = max(t, computes.get(s, 0.0))
         return WorkerMeta(self.nbytes + other.nbytes, max(self.seconds, other.seconds),
-                          sorted(set(self.steps) | set(other.steps)))
+                          sorted(set(self.steps) | set(other.steps)), sorted(computes.items()))
 
     def __reduce__(self):
-        return (WorkerMeta, (self.nbytes, self.seconds, self.steps))
+        return (WorkerMeta, (self.nbytes, self.seconds, self.steps, self.computes))
 
 
 # -- the scheduler half -------------------------------------------------------------
@@ -376,6 +386,7 @@ class ConnectorScheduler(_Half):
         self._pins = {}                        # step -> (when, the pin ids its loads hold)
         self._step_pins = []
         self._steps = 0                        # steps built
+        self._work = {}                        # step -> its requests' (total, cached) tokens, for the prefill model
         self._stats = collections.Counter()
         self._broken, self._closing, self._reconnectors = None, False, []
         # A request made in vLLM's call that the daemon left unanswered for
@@ -658,6 +669,7 @@ class ConnectorScheduler(_Half):
                 self._save(st, cr.num_computed_tokens[i] + sched.get(rid, 0), saves)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or set()
         self._steps += 1
+        self._note_work(scheduler_output, sched)
         meta = ConnectorMetadata(list(self._loads.values()), saves, preempted, self._steps)
         for t in meta.loads:
             st = self._reqs.get(t.req_id)
@@ -670,6 +682,24 @@ class ConnectorScheduler(_Half):
             self._pins[self._steps] = (time.monotonic(), self._step_pins)
             self._step_pins = []
         return meta
+
+    def _note_work(self, out, sched):
+        """Keeps what the step computes, each request's (total, cached)
+        tokens, until a worker reports how long the step's forward pass
+        took (steps with loads are not timed; at most WORK_STEPS kept)."""
+        work = []
+        for nr in getattr(out, "scheduled_new_reqs", ()) or ():
+            n = sched.get(nr.req_id, 0)
+            work.append((nr.num_computed_tokens + n, nr.num_computed_tokens))
+        cr = getattr(out, "scheduled_cached_reqs", None)
+        if cr is not None:
+            for i, rid in enumerate(cr.req_ids):
+                c = cr.num_computed_tokens[i]
+                work.append((c + sched.get(rid, 0), c))
+        if work:
+            self._work[self._steps] = work
+            while len(self._work) > WORK_STEPS:
+                del self._work[next(iter(self._work))]
 
     def _save(self, st, done, saves):
         """Adds st's chunks that are whole within done tokens (and its
@@ -707,6 +737,10 @@ class ConnectorScheduler(_Half):
         if wm.nbytes:
             self.cost.observe_load(wm.nbytes, wm.seconds)
             self._stats["load_measurements"] += 1
+        for step, seconds in getattr(wm, "computes", ()):
+            work = self._work.pop(step, None)
+            if work and self.cost.observe_compute(work, seconds):
+                self._stats["compute_measurements"] += 1
 
     def _unpin(self, pins):
         client = self._client
@@ -739,6 +773,7 @@ class ConnectorScheduler(_Half):
         """The scheduler's counters since it started (for tests and tools)."""
         s = dict(self._stats)
         s["load_gbps"] = self.cost.load_gbps
+        s["prefill_scale"] = self.cost.prefill_scale
         s["pinned_steps"] = len(self._pins)
         s["connected"] = self._broken is None
         s["answering"] = not self._unanswered  # False: a request timed out, a probe waits for the daemon
@@ -816,6 +851,8 @@ class ConnectorWorker(_Half):
         self._loaded = set()                           # req ids with a load sent (get_finished reports them)
         self._given_up = collections.defaultdict(list)  # req id -> load jobs given up, maybe not ended
         self._measured = [0, 0.0]                      # bytes, seconds of loads since the last worker meta
+        self._pass = None                              # (step, start) of a forward pass without loads, timed
+        self._passes = []                              # (step, start, end) timed, not yet reported
         self._done_steps = []                          # steps whose loads ended since the last worker meta
         self._reported = {}                            # the counters get_kv_connector_stats reported last
         self._outbox = collections.deque()             # (CUDA mark, saves) the sender thread sends in order
@@ -948,10 +985,12 @@ class ConnectorWorker(_Half):
     def start_load(self, meta):
         """Submits the step's loads (meta.loads) at once: one daemon job per
         group of layers (layer_groups; one job for every layer where the
-        daemon cannot load a layer range), in layer order."""
+        daemon cannot load a layer range), in layer order. A step without
+        loads has its forward pass timed (begin_pass) instead."""
         self._step = None
         loads = [t for t in getattr(meta, "loads", ()) if t.keys]
         if not loads:
+            self._begin_pass(getattr(meta, "step", 0))
             return
         nl = len(self._names)
         lpl = self._opts["layers_per_load"] if self._client is not None and self.layer_loads() else nl
@@ -1299,11 +1338,52 @@ class ConnectorWorker(_Half):
         return out
 
     def worker_meta(self):
-        """The steps whose loads ended and the loads measured since the
-        last call, as a WorkerMeta (None where no load ended)."""
+        """The steps whose loads ended, the loads measured and the forward
+        passes timed since the last call, as a WorkerMeta (None where
+        there is none)."""
         (nbytes, secs), steps = self._measured, self._done_steps
         self._measured, self._done_steps = [0, 0.0], []
-        return WorkerMeta(nbytes, secs, steps) if steps or nbytes else None
+        computes = self._timed_passes()
+        return WorkerMeta(nbytes, secs, steps, computes) if steps or nbytes or computes else None
+
+    def _begin_pass(self, step):
+        """Marks the start of a forward pass without loads (step > 0: one
+        the scheduler numbered): an event on vLLM's stream with CUDA KV
+        caches (the GPU's time, not the launches'), else the clock."""
+        self._pass = None
+        if step > 0:
+            self._pass = (step, self._timing_mark())
+
+    def end_pass(self):
+        """Marks the end of the forward pass begin_pass marked (wait_for_save)."""
+        if self._pass is not None:
+            step, start = self._pass
+            self._pass = None
+            self._passes.append((step, start, self._timing_mark()))
+            del self._passes[:-WORK_STEPS]
+
+    def _timing_mark(self):
+        cuda = [t for t in self._tensors if getattr(t, "is_cuda", False)]
+        if not cuda:
+            return time.perf_counter()
+        import torch
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(cuda[0].device))
+        return ev
+
+    def _timed_passes(self):
+        """(step, seconds) of the marked passes that have run (the GPU's
+        events queried, never waited for); those still running wait."""
+        out, left = [], []
+        for step, start, end in self._passes:
+            if isinstance(start, float):
+                out.append((step, end - start))
+            elif end.query():
+                out.append((step, start.elapsed_time(end) / 1e3))
+            else:
+                left.append((step, start, end))
+        self._passes = left
+        return out
 
     def stats_delta(self):
         """What the counters of STAT_KEYS gained since the last call (a
@@ -1505,6 +1585,7 @@ class _ConnectorImpl:
         """Ends the step's loads (their failures into this step's load
         errors) and submits its stores without waiting for them: vLLM keeps
         the blocks of a finished request until get_finished reports it."""
+        self._worker.end_pass()
         self._worker.finish_loads()
         if self._connector_metadata is not None:
             self._worker.start_saves(self._connector_metadata)
