@@ -349,6 +349,40 @@ class TestMoves(unittest.TestCase):
                                  [([vkey(1)], want[-1][1] if want else "STORAGE", True)])
 
 
+class HoldsEverything:
+    """A stand-in of the watcher's client that holds every key (answered
+    by pins: no lookup table)."""
+
+    @staticmethod
+    def key_digests(ns, keys):
+        return None
+
+    @staticmethod
+    def pin(ns, keys, lease_s):
+        return 0, [True] * len(keys)
+
+
+class TestConnectorMoves(unittest.TestCase):
+    def test_a_chunk_moved_to_another_medium_is_removed_there_and_announced_by_its_hashes_here(self):
+        conn = (HoldsEverything(), [types.SimpleNamespace(fingerprint=7)])
+        ev = rm.ConnectorRemovals(EVENT_API, "", [GEOMETRY], media={1: "CPU"}, watch=False)
+        hashes = [b"%032d" % 1, b"%032d" % 2]
+        key = hashes[-1] + (0).to_bytes(4, "big")
+        ev.saved(key, hashes, None, list(range(32)), 16)
+        ev._verify(conn)
+        got = ev.take_events()
+        self.assertEqual([(type(e), e.block_hashes, e.medium, len(e.token_ids)) for e in got],
+                         [(BlockStored, hashes, "STORAGE", 32)])
+        ev._records(conn, [TestMoves.record(key, "moved", 0, 1)])
+        got = ev.take_events()
+        self.assertEqual([(type(e), e.block_hashes, e.medium) for e in got],
+                         [(BlockRemoved, hashes, "STORAGE"), (BlockStored, hashes, "CPU")])
+        ev._records(conn, [TestMoves.record(key, "evicted", 1)])
+        self.assertEqual([(type(e), e.block_hashes, e.medium) for e in ev.take_events()],
+                         [(BlockRemoved, hashes, "CPU")])
+        self.assertEqual(ev.counters()["tracked_keys"], 0)
+
+
 class TestMovesAgainstATieredDaemon(unittest.TestCase):
     """The tiered policy demotes keys from a memory mount to a disk mount
     ("moved" records): a medium change only where the operator maps the

@@ -24,8 +24,10 @@ declares the half's namespaces and subscribes to their removals
 (Client.subscribe_removals), subscribes again from its cursor after a
 lost connection, and, where the daemon cannot serve the cursor without a
 gap (a resync: a daemon restarted, or a subscriber that fell behind),
-asks the daemon (pins of lease 0, released at once) which of the keys
-the half reported stored it still holds, and reports the others removed.
+asks the daemon which of the keys the half reported stored it still
+holds (its shared lookup table, read in this process; pins of lease 0,
+released at once, where it cannot be read), and reports the others
+removed.
 So no removal is lost silently: it is reported as it happens, or found by
 that check.
 
@@ -57,14 +59,20 @@ from ._common import daemon_key, reason
 # A child of vLLM's "vllm" logger, the one vLLM configures.
 _log = logging.getLogger("vllm.kvhost")
 
-# Defaults of the options every kind shares (OffloadingRemovals,
-# ConnectorRemovals): the keys remembered (each tracked key costs about
-# 200 bytes of the scheduler's memory), the keys of stored events queued
-# at most between two take_events calls (older stored events are dropped,
-# and their keys forgotten, past it: a router under-counts, never
-# over-counts), and the lag samples kept for lags().
+# Defaults: the keys remembered (MAX_TRACKED: an OffloadingRemovals key
+# costs about 250 bytes of the scheduler's memory; MAX_TRACKED_CHUNKS: a
+# ConnectorRemovals chunk, its block hashes, about 1 KiB at 16 hashes a
+# chunk), the keys of stored events queued at most between two
+# take_events calls (older stored events are dropped, and their keys
+# forgotten, past it: a router under-counts, never over-counts), the
+# connector's chunks saved and not yet found stored (MAX_PENDING: each
+# holds its tokens until its BlockStored is queued), the lag samples kept
+# for lags(), and the removals of keys not tracked kept for a store
+# reported after its removal (RECENT).
 MAX_TRACKED = 1 << 18
+MAX_TRACKED_CHUNKS = 1 << 16
 MAX_QUEUED = 1 << 16
+MAX_PENDING = 1 << 12
 LAG_SAMPLES = 1 << 14
 RECENT = 1 << 16
 
@@ -76,10 +84,9 @@ class Watcher:
     removals may have been lost (a resync; the first subscription, for
     keys reported before it), both on the watcher's thread, conn being
     (client, [Namespace per geometry]). A lost connection is made again
-    every reconnect_s (> 0) and subscribes from the cursor of the last
-    batch read. A daemon without removal streams is said once in the log
-    and asked again every minute. close() ends it within about a tenth of
-    a second plus one daemon answer's timeout."""
+    every reconnect_s (0: never) and subscribes from the cursor of the
+    last batch read. A daemon without removal streams is said once in the
+    log and asked again every minute. close() ends it (Watcher.close)."""
 
     def __init__(self, socket, geometries, on_records, on_gap, *, name, reconnect_s=1.0, timeout=5.0,
                  idle=None, idle_s=0.25, what="removals"):
@@ -94,6 +101,7 @@ class Watcher:
         self.connects = 0           # subscriptions made (the first and each after a loss)
         self.resyncs = 0            # resyncs answered (and gaps checked)
         self.subscribed = threading.Event()  # set once a subscription is up (tests wait for it)
+        self._said_unsupported = False
         self._thread = threading.Thread(target=self._run, name=f"kvhost-{what}", daemon=True)
         self._thread.start()
 
@@ -162,9 +170,10 @@ class Watcher:
             with self._cv:
                 self._client = None
             client.close()  # holding no connection of a daemon that cannot use it
-            _log.warning("kvhost %s: the daemon at %s streams no removals (%s): vLLM hears of a removal only "
-                         "when a lookup or a load finds a key gone; asking again every minute", self._what,
-                         self._socket, client.limits.get("server", "an older daemon"))
+            say, self._said_unsupported = (_log.debug if self._said_unsupported else _log.warning), True
+            say("kvhost %s: the daemon at %s streams no removals (%s): vLLM hears of a removal only when a "
+                "lookup or a load finds a key gone; asking again every minute", self._what, self._socket,
+                client.limits.get("server", "an older daemon"))
             self._wait(60)
             return
         nss = [client.declare(g) for g in self._geoms]
@@ -544,11 +553,12 @@ class ConnectorRemovals(_Tracked):
 
     def __init__(self, api, socket, geometries, *, groups=None, medium="STORAGE", locality=None, media=None,
                  events=True,
-                 name="vllm-removals", max_tracked=MAX_TRACKED, max_queued=MAX_QUEUED, reconnect_s=1.0,
-                 timeout=5.0, verify_s=0.25, verify_for_s=60.0, what="connector removals", watch=True):
+                 name="vllm-removals", max_tracked=MAX_TRACKED_CHUNKS, max_queued=MAX_QUEUED, reconnect_s=1.0,
+                 timeout=5.0, verify_s=0.25, verify_for_s=60.0, max_pending=MAX_PENDING,
+                 what="connector removals", watch=True):
         self._api, self._locality = api, locality
         self._convert = getattr(api, "convert", None) or (lambda h: h)
-        self._verify_s, self._verify_for_s = verify_s, verify_for_s
+        self._verify_s, self._verify_for_s, self._max_pending = verify_s, verify_for_s, max_pending
         self._pending = collections.OrderedDict()   # daemon key -> (_Entry, saved at, monotonic)
         self._checked = 0.0
         super().__init__(socket, geometries, medium, groups=groups, media=media, events=events, watch=watch,
@@ -576,7 +586,7 @@ class ConnectorRemovals(_Tracked):
             if dkey in self._tracked or dkey in self._pending:
                 return  # reported already, or being checked
             self._pending[dkey] = (_Entry(dkey, None, self._medium, info, group), time.monotonic())
-            while len(self._pending) > self._max_tracked:
+            while len(self._pending) > self._max_pending:
                 self._pending.popitem(last=False)
                 self.stats["unverified_dropped"] += 1
 
@@ -632,12 +642,18 @@ class ConnectorRemovals(_Tracked):
                 continue
             for e, _ in items:
                 i = e.info
+                if "token_ids" not in i:  # announced again (a medium change): what it was told
+                    i = {**i, "parent_block_hash": None, "token_ids": [], "block_size": 0, "lora_id": None,
+                         "lora_name": None, "extra_keys": None}
                 events.append(_make(
                     a.BlockStored, block_hashes=[cv(h) for h in i["block_hashes"]],
                     parent_block_hash=None if i["parent_block_hash"] is None else cv(i["parent_block_hash"]),
                     token_ids=i["token_ids"], block_size=i["block_size"], lora_id=i["lora_id"], medium=medium,
                     lora_name=i["lora_name"], extra_keys=i["extra_keys"], group_idx=i["group_idx"],
                     locality=self._locality))
+                # A removal names only the hashes and the group: the rest
+                # is not kept (memory: max_tracked chunks).
+                e.info = {"block_hashes": i["block_hashes"], "group_idx": i["group_idx"]}
         return events
 
     def counters(self):
