@@ -99,6 +99,13 @@ class TestConnect(unittest.TestCase):
         self.assertEqual(leaked, [], "sockets of failed connects left to the garbage collector")
         self.assertEqual(open_fds(), before, "sockets leaked by failed connects")
 
+    def test_peer_pid_names_the_daemons_process(self):
+        daemon = Daemon()
+        self.addCleanup(daemon.stop)
+        with kvhost.Client(daemon.socket) as c:
+            self.assertEqual(c.peer_pid(), daemon.proc.pid)
+        self.assertIsNone(c.peer_pid())  # closed: nothing to ask
+
     def test_default_socket(self):
         cases = [
             ({"KVHOST_SOCKET": "/run/kvhost/kvhost.sock", "XDG_RUNTIME_DIR": "/run/user/7"}, "/run/kvhost/kvhost.sock"),

@@ -512,6 +512,18 @@ class Client:
         in the handshake; False for a daemon older than protocol version 2."""
         return bool(self.limits.get("features", 0) & p.FEATURE_LAYER_LOADS)
 
+    def peer_pid(self):
+        """The pid of the process at the other end of the socket (the
+        daemon that made the listening socket, SO_PEERCRED), None where it
+        cannot be read: for a log line on a daemon that does not answer
+        (alive and stuck, or gone)."""
+        try:
+            pid, _, _ = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  struct.calcsize("3i")))
+        except (OSError, AttributeError):
+            return None
+        return pid if pid > 0 else None
+
     @property
     def supports_removals(self):
         """Whether the daemon announced removal streams

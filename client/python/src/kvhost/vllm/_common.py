@@ -14,8 +14,6 @@ import importlib.util
 import inspect
 import logging
 import os
-import socket as _socket
-import struct
 import threading
 import time
 import typing
@@ -146,17 +144,9 @@ def setup_timeout(o):
 
 def daemon_pid(client):
     """The pid of the daemon at the other end of client's socket
-    (SO_PEERCRED: the process that made the listening socket), None where
-    it cannot be read."""
-    sock = getattr(client, "_sock", None)  # Client has no accessor for it (yet)
-    if sock is None:
-        return None
-    try:
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED,
-                                                        struct.calcsize("3i")))
-    except OSError:
-        return None
-    return pid if pid > 0 else None
+    (Client.peer_pid), None where it cannot be read."""
+    peer = getattr(client, "peer_pid", None)
+    return peer() if callable(peer) else None
 
 
 def daemon_state(client):
