@@ -430,6 +430,52 @@ class TestMovesAgainstATieredDaemon(unittest.TestCase):
         self.assertEqual([(e.keys, e.medium, e.removed) for e in evs], [(changed[:1], "STORAGE", True)])
 
 
+class TestSharedClusterMount(unittest.TestCase):
+    """Two daemons (nodes a and b) on one directory with a cluster
+    capacity, as on a shared CephFS mount (cluster.md): each node evicts
+    its own files to keep the mount within the bound, a purge on one node
+    reaches the other; each half reports the removals of what it
+    announced, and of no other node's keys."""
+
+    def test_cluster_evictions_and_another_nodes_purge_reach_the_half_that_announced_the_keys(self):
+        shared = tempfile.mkdtemp(prefix="kvhost-test-shared-")
+        self.addCleanup(shutil.rmtree, shared, True)
+        nodes, halves, workers = {}, {}, {}
+        for n in ("a", "b"):
+            nodes[n] = Daemon(capacity="64MiB", dir=shared, extra_toml=f'[engine]\nnode_id = "node-{n}"\n',
+                              after_toml='cluster_capacity = "1MiB"\ncluster_interval = "100ms"\n')
+            self.addCleanup(nodes[n].stop)
+            halves[n] = rm.OffloadingRemovals(OFFLOADING_API, "STORAGE", nodes[n].socket, [GEOMETRY],
+                                              name=f"test-node-{n}", reconnect_s=0.1)
+            self.addCleanup(halves[n].close)
+            wait_for(halves[n].watcher.subscribed.is_set, timeout=60, what=f"node {n}'s subscription")
+            workers[n] = Worker(self, nodes[n])
+        mine = {n: [vkey(i + (100 if n == "b" else 0)) for i in range(8)] for n in nodes}
+        for n in nodes:
+            self.assertEqual(workers[n].store(mine[n]), mine[n])
+            halves[n].stored(mine[n])
+            halves[n].take_events()
+        # Past the cluster's 1 MiB: each node evicts its own oldest files.
+        for n in nodes:
+            workers[n].store([b"filler-%s-%d" % (n.encode(), i) for i in range(100)])
+        for n in nodes:
+            evs = events_until(self, halves[n], lambda evs: len(removed_keys(evs)) >= 8, f"node {n}'s evictions")
+            self.assertEqual(sorted(removed_keys(evs)), sorted(mine[n]))
+            c = halves[n].counters()
+            self.assertEqual(c["removed_cluster_evicted"], 8, c)
+            self.assertGreater(c["removals_not_reported"], 0, "the fillers, announced by no one")
+        # A purge on node b reaches node a (its purge record): a's
+        # announced keys are reported removed by a's half.
+        more = [vkey(i) for i in range(200, 204)]
+        self.assertEqual(workers["a"].store(more), more)
+        halves["a"].stored(more)
+        halves["a"].take_events()
+        workers["b"].c.purge(fingerprint=workers["b"].ns.fingerprint)
+        evs = events_until(self, halves["a"], lambda evs: len(removed_keys(evs)) >= 4, "the purge at node a")
+        self.assertEqual(sorted(removed_keys(evs)), sorted(more))
+        self.assertEqual(halves["a"].counters().get("removed_purged", 0), 4, halves["a"].counters())
+
+
 class TestGroups(unittest.TestCase):
     """A key is held by its group's namespaces only (the spec's KV-cache
     groups, the connector's salt namespaces): a record of its name from
