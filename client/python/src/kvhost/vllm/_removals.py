@@ -353,7 +353,7 @@ class _Tracked:
     # -- the watcher's callbacks ----------------------------------------------------------
 
     def _records(self, conn, records):
-        client, nss = conn
+        _, nss = conn
         fps = {ns.fingerprint: i for i, ns in enumerate(nss)}
         with self._lock:
             self.stats["records"] += len(records)
