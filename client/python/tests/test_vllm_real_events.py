@@ -424,6 +424,33 @@ class PublishedInVllm(Published):
         super().setUp()
         self.start_publishing()
 
+    def offloaded_keys_reach_the_router(self, manager, ks, geometry, before_step=None):
+        """vLLM's connector each step: manager.take_events() (after
+        before_step()) through vLLM's OffloadingEventsTracker to the
+        publisher. ks, stored, reach the router as BlockStored on STORAGE;
+        two of them deleted from the namespace of geometry, as
+        BlockRemoved; the kept ones get none."""
+        tracker = self.ev.OffloadingEventsTracker(self.api.OffloadingKVEventsConfig(
+            enable_kv_cache_events=True, self_describing_kv_events=False))
+        cv = convert()
+
+        def step():
+            if before_step is not None:
+                before_step()
+            self.publish(tracker.take_events(manager.take_events()))
+
+        def on_storage(got, tag):
+            return [h for t, f, _, _ in got if t == tag and f["medium"] == "STORAGE" for h in f["block_hashes"]]
+        got = self.until(step, lambda g: len(on_storage(g, "BlockStored")) >= len(ks), "the stored events")
+        self.assertEqual(sorted(on_storage(got, "BlockStored")), sorted(cv(k[:-4]) for k in ks))
+        other = kvhost.Client(self.daemon.socket)
+        self.addCleanup(other.close)
+        self.assertEqual(other.delete(other.declare(geometry), ks[:2]), 2)
+        got = self.until(step, lambda g: len(on_storage(g, "BlockRemoved")) >= 2, "the removals")
+        self.assertEqual(sorted(on_storage(got, "BlockRemoved")), sorted(cv(k[:-4]) for k in ks[:2]))
+        step()
+        self.assertEqual(on_storage(self.router.taken(), "BlockRemoved"), [], "a kept key reported removed")
+
 
 def _wired(module, options, what):
     """None where kvhost.vllm's module (tier, connector) reports removals
@@ -453,26 +480,37 @@ class TestTierInVllm(PublishedInVllm, RealTieringCase):
         tier = m.secondary_tiers[0]
         wait_for(lambda: tier.counters()["events"].get("subscribed"), timeout=60, what="the tier's subscription")
         self.connected(self.kv.AllBlocksCleared())
-        tracker = self.ev.OffloadingEventsTracker(self.api.OffloadingKVEventsConfig(
-            enable_kv_cache_events=True, self_describing_kv_events=False))
         ks = [tier_key(i, "router") for i in range(4)]
         self.offload(h, ks, ctx)
-        cv = convert()
+        self.offloaded_keys_reach_the_router(m, ks, tier.namespace.geometry)
 
-        def step():
-            self.publish(tracker.take_events(m.take_events()))
 
-        def on_storage(got, tag):
-            return [h for t, f, _, _ in got if t == tag and f["medium"] == "STORAGE" for h in f["block_hashes"]]
-        got = self.until(step, lambda g: len(on_storage(g, "BlockStored")) >= 4, "the stored events")
-        self.assertEqual(sorted(on_storage(got, "BlockStored")), sorted(cv(k[:-4]) for k in ks))
-        other = kvhost.Client(self.daemon.socket)
-        self.addCleanup(other.close)
-        self.assertEqual(other.delete(other.declare(tier.namespace.geometry), ks[:2]), 2)
-        got = self.until(step, lambda g: len(on_storage(g, "BlockRemoved")) >= 2, "the removals")
-        self.assertEqual(sorted(on_storage(got, "BlockRemoved")), sorted(cv(k[:-4]) for k in ks[:2]))
-        step()
-        self.assertEqual(on_storage(self.router.taken(), "BlockRemoved"), [], "a kept key reported removed")
+from test_vllm_real_spec import RealSpecCase, key as spec_key, unobserved  # noqa: E402
+
+
+@unittest.skipIf(_DEPS, _DEPS or "")
+@unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
+@unittest.skipIf(_wired("spec_compat", "OPTIONS", "spec"), _wired("spec_compat", "OPTIONS", "spec") or "")
+class TestSpecInVllm(PublishedInVllm, RealSpecCase):
+    """KvhostOffloadingSpec's manager as vLLM's factory makes it, its
+    events through vLLM's tracker and publisher to a router."""
+
+    def setUp(self):
+        super().setUp()
+        p = unobserved()  # the workers' attention backend is not observed outside vLLM (as test_vllm_real_spec)
+        p.start()
+        self.addCleanup(p.stop)
+
+    def test_a_stored_key_the_daemon_drops_reaches_the_router_as_block_removed_and_kept_keys_get_none(self):
+        from kvhost.vllm import spec_compat as sc
+        spec = self.spec()
+        m = self.manager(spec)
+        wait_for(lambda: m.counters()["events"].get("subscribed"), timeout=60, what="the manager's subscription")
+        self.connected(self.kv.AllBlocksCleared())
+        ks = [spec_key(i, "router") for i in range(4)]
+        self.stored(spec, m, ks)
+        self.offloaded_keys_reach_the_router(m, ks, sc.geometry(sc.describe(m._ident, 0, 0)),
+                                             before_step=lambda: self.step(m))
 
 
 from test_vllm_real_kvconnector import BPC, RealKvConnectorCase  # noqa: E402
