@@ -273,8 +273,37 @@ class FailedAndPartialPromotions(TierCase):
         res = self.finished(t, 1)[j.job_id]
         self.assertFalse(res.success)
         self.assertEqual(list(res.successful_keys or []), [])
+        # The load's misses, or the daemon's removal stream first (in the
+        # daemon's order): each key once.
         removed = [k for e in t.take_events() if e.removed for k in e.keys]
-        self.assertEqual(removed, ks)
+        self.assertEqual(sorted(removed), sorted(ks))
+
+
+class Removals(TierCase):
+    """The daemon's removals of the keys a tier stored reach vLLM's events
+    (docs/routers.md; the machinery's own tests: test_vllm_removals)."""
+
+    def test_a_key_the_tier_stored_and_another_client_deleted_is_reported_removed_once(self):
+        ks = keys(3, "removal")
+        t = self.tier(random_region())
+        d.wait_for(lambda: t.counters()["events"].get("subscribed"), what="the tier's removal subscription")
+        self.store(t, ks, range(3))
+        self.assertEqual([(list(e.keys), e.removed) for e in t.take_events()], [(ks, False)])
+        other = kvhost.Client(self.daemon.socket)
+        self.addCleanup(other.close)
+        ns = other.declare(t.namespace.geometry)
+        self.assertEqual(other.delete(ns, ks[:2]), 2)
+        got = []  # in one take_events call or two
+        d.wait_for(lambda: got.extend(t.take_events()) or sum(len(e.keys) for e in got) >= 2,
+                   what="the removed events")
+        self.assertEqual(sorted(k for e in got for k in e.keys), sorted(ks[:2]))
+        self.assertEqual({(e.removed, e.medium) for e in got}, {(True, S.Medium.STORAGE)})
+        self.assertEqual(t.counters()["events"]["removed_deleted"], 2)
+
+    def test_mount_media_is_refused_unless_it_maps_mount_indexes_to_names(self):
+        for bad in (["CPU"], {"hot": "CPU"}, {"0": 1}):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "mount_media"):
+                self.tier(random_region(), mount_media=bad)
 
 
 class JobsAndLifecycle(TierCase):

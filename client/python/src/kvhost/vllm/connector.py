@@ -38,6 +38,7 @@ from . import spec_compat as sc
 from ._common import (DAEMON_WAIT_S, DaemonAbsent, Reconnects, UnsupportedVLLM, absent_if_late, absent_if_stopping,
                       check_daemon_wait, check_request_timeout, check_seconds, daemon_key, daemon_state,
                       lost_connection, merge_options, open_client, reason, setup_timeout, vllm_installed, wait_ended)
+from ._removals import ConnectorRemovals, kv_event_api, parse_media
 from ._split import CostModel
 
 log = logging.getLogger("vllm.kvhost")
@@ -59,6 +60,8 @@ OPTIONS = {
     "socket": None,             # the daemon's socket (default: $KVHOST_SOCKET, ...)
     "namespace": "",            # extra text in the namespace identity
     "client_name": "vllm-connector",
+    "max_tracked_keys": 1 << 16,  # chunks announced stored whose removal is reported (docs/routers.md)
+    "mount_media": None,        # {daemon mount index: medium name}: a move between media is reported
     "layers_per_load": 4,       # layers per load job (4: the fastest on the H200; 1: every layer waits only for its own)
     "layer_groups": "ramp",     # "ramp": the first and last load jobs one layer each, the rest layers_per_load; "even"
     "load_split": "auto",       # "auto": load or recompute; "all": claim every cached token; "off": load nothing
@@ -113,9 +116,11 @@ def options(extra):
     check_seconds(o, ("pin_lease_s", "load_timeout_s", "job_timeout_s", "reconnect_s"))
     check_request_timeout(o)
     check_daemon_wait(o)
-    n = o["layers_per_load"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"kvhost.vllm: layers_per_load: want an integer >= 1, got {n!r}")
+    for k in ("layers_per_load", "max_tracked_keys"):
+        n = o[k]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {n!r}")
+    parse_media(o["mount_media"])
     if o["layer_groups"] not in LAYER_GROUPS:
         raise ValueError(f"kvhost.vllm: layer_groups: want one of {', '.join(LAYER_GROUPS)}, got {o['layer_groups']!r}")
     if o["load_split"] not in SPLITS:
@@ -408,6 +413,24 @@ class ConnectorScheduler(_Half):
                 raise
             self._client, self._ns = None, None
             self._start_unconnected(reason(e.__cause__))
+        # BlockStored of the chunks its saves stored, and BlockRemoved of
+        # those the daemon drops, from a connection of their own, where
+        # vLLM's KV events are on (docs/routers.md). A chunk is held where
+        # every rank's namespace of its salt name holds it.
+        events, api = bool(getattr(config, "enable_kv_cache_events", False)), None
+        if events:
+            try:
+                api = kv_event_api()
+            except ImportError as e:  # a vLLM without them: nothing to report with
+                events = False
+                log.warning("kvhost connector: vLLM's KV-event classes do not import (%s): no KV events", e)
+        where = [(i, r) for i in range(len(self._ns_names)) for r in range(self._tp)]
+        self._removals = ConnectorRemovals(
+            api, o["socket"], [geometry(ident, r, self._ns_names[i]) for i, r in where],
+            groups=[i for i, _ in where], medium=getattr(api, "medium", "STORAGE"),
+            media=parse_media(o["mount_media"]), events=events, name=o["client_name"] + "-removals",
+            max_tracked=o["max_tracked_keys"], reconnect_s=o["reconnect_s"], timeout=setup_timeout(o),
+            what="connector removals")
 
     def _open(self):
         o = self._opts
@@ -717,6 +740,27 @@ class ConnectorScheduler(_Half):
         saves.append(Transfer(st.req.request_id, keys[first:end], blocks, st.ns))
         st.next_save = end
         st.saved = True
+        if self._removals.events_on:
+            self._announce(st.req, keys, first, end, self._ns_names.index(st.ns))
+
+    def _announce(self, req, keys, first, end, group):
+        """Hands chunks first..end-1 of req to the removal machinery: a
+        BlockStored of each (its block hashes, parent, tokens) once the
+        daemon holds it in every rank's namespace, its BlockRemoved after."""
+        hashes = req.block_hashes
+        tokens = getattr(req, "all_token_ids", None) or []
+        lora = getattr(req, "lora_request", None)
+        for i in range(first, end):
+            a, b = i * self._hpc, (i + 1) * self._hpc
+            self._removals.saved(keys[i], [bytes(h) for h in hashes[a:b]], bytes(hashes[a - 1]) if a else None,
+                                 list(tokens[i * self._chunk:(i + 1) * self._chunk]), self._tph,
+                                 lora_id=getattr(lora, "adapter_id", None), lora_name=getattr(lora, "name", None),
+                                 group=group)
+
+    def take_events(self):
+        """BlockStored and BlockRemoved since the last call, without waiting
+        on the daemon."""
+        return self._removals.take_events()
 
     def update_connector_output(self, connector_output):
         """Releases the pins of the steps whose loads the workers ended (and
@@ -777,11 +821,13 @@ class ConnectorScheduler(_Half):
         s["pinned_steps"] = len(self._pins)
         s["connected"] = self._broken is None
         s["answering"] = not self._unanswered  # False: a request timed out, a probe waits for the daemon
+        s["events"] = self._removals.counters()
         return s
 
     def shutdown(self):
         """Closes the connection (the daemon releases the pins). Idempotent."""
         self._close()
+        self._removals.close(self._opts["daemon_wait_s"])
 
 
 def _dense(t):
@@ -1649,8 +1695,11 @@ class _ConnectorImpl:
         return self._scheduler.request_finished(request, block_ids)
 
     def take_events(self):
-        """No KV cache events (stored keys are found by lookups)."""
-        return ()
+        """The scheduler half's KV events: BlockStored of the chunks its
+        saves stored (once the daemon holds them) and BlockRemoved of those
+        the daemon dropped since (docs/routers.md); never waits on the
+        daemon."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def counters(self):
         """This half's counters (scheduler or worker), for tests and tools."""

@@ -30,6 +30,7 @@ from . import spec_compat as sc
 from ._common import (DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, lost_connection, open_client,
                       reason, setup_timeout)
 from ._namespace import check_served
+from ._removals import OffloadingRemovals, parse_media
 
 # vLLM configures only its "vllm" logger (and stops propagation there):
 # only its children show in vLLM's output.
@@ -105,7 +106,6 @@ class SpecManager(Reconnects):
         self._verify, self._verifying = [], collections.Counter()
         self._missing = {}                      # key -> MISS answered until
         self._queue, self._pending, self._touches, self._releases = [], set(), [], []
-        self._events = collections.deque()
         # vLLM drains take_events only with its KV cache events on, and
         # asks that capture stay inert otherwise (as its CPU spec's does).
         self._events_on = bool(getattr(config, "enable_kv_cache_events", True))
@@ -145,6 +145,15 @@ class SpecManager(Reconnects):
             if o["reconnect_s"] <= 0:
                 raise
             self._client, self._ns, absent = None, None, reason(e.__cause__)
+        # Stored events, and the removals of what they announced, from a
+        # daemon connection of their own (docs/routers.md).
+        where = sorted(self.namespaces)
+        self._removals = OffloadingRemovals(
+            self._api, self._medium, o["socket"], [sc.geometry(sc.describe(self._ident, g, r)) for r, g in where],
+            groups=[g for _, g in where], media=parse_media(o["mount_media"], lambda n: sc.pick_medium(self._api, n)),
+            events=self._events_on, name=o["client_name"] + "-removals", max_tracked=o["max_tracked_keys"],
+            max_queued=o["max_events"], reconnect_s=o["reconnect_s"], timeout=setup_timeout(o),
+            what="spec removals")
         log.info("kvhost spec: manager on %s, namespaces %s", o["socket"], sorted(set(self.namespaces.values())))
         if not o["metrics"]:
             log.info("kvhost spec: metrics off (option \"metrics\": false): the manager reports no %s* "
@@ -401,7 +410,7 @@ class SpecManager(Reconnects):
             # manager stored and the daemon no longer has was evicted:
             # tell vLLM.
             if answered and k not in rnd.no_worker and self._stored_at.pop(k, None) is not None:
-                self._event_locked([k], removed=True)
+                self._removals.gone([k])
         if not batch.refs:
             release += batch.pins
         if len(self._missing) > 1 << 18:
@@ -733,27 +742,17 @@ class SpecManager(Reconnects):
                 ttl = self._opts["stored_ttl_s"]
                 self._stored_at = {k: t for k, t in self._stored_at.items() if now - t < ttl}
             if stored:
-                self._event_locked(list(dict.fromkeys(stored)), removed=False)
+                self._removals.stored(list(dict.fromkeys(stored)))
 
     # -- requests, events, stats ---------------------------------------------
 
-    def _event_locked(self, keys, removed):
-        if not self._events_on:
-            return
-        if len(self._events) >= self._opts["max_events"]:
-            self._events.popleft()
-            self._stats["events_dropped"] += 1
-        self._events.append(self._api.OffloadingEvent(keys=list(keys), medium=self._medium, removed=removed))
-
     def take_events(self):
         """Keys stored (removed=False: completed by vLLM and found held by
-        the daemon) and keys found gone after this manager stored them
-        (removed=True) since the last call. The daemon evicts on its own;
-        an eviction shows here only once a lookup finds the key gone."""
-        with self._lock:
-            out = list(self._events)
-            self._events.clear()
-        yield from out
+        the daemon) and, of those, keys the daemon dropped since
+        (removed=True: its removal stream, or a lookup finding one gone;
+        a move between media: both), since the last call; never waits on
+        the daemon (docs/routers.md)."""
+        yield from self._removals.take_events()
 
     def on_new_request(self, req_context=None):
         """Every request's blocks are offloaded block by block (vLLM's
@@ -831,6 +830,7 @@ class SpecManager(Reconnects):
         if broken is not None:
             s["daemon_error"] = broken
         s["namespaces"] = sorted(set(self.namespaces.values()))
+        s["events"] = self._removals.counters()
         return s
 
     def shutdown(self):
@@ -850,6 +850,7 @@ class SpecManager(Reconnects):
             client.close()  # ends a request the pin thread still waits on
         self._thread.join(max(0.0, until - time.monotonic()) + 0.2)
         self._join_reconnectors(until)
+        self._removals.close(max(0.0, until - time.monotonic()) + 0.2)
         with self._lock:
             client = self._client
         if client is not None:

@@ -34,6 +34,7 @@ from ._common import (DAEMON_WAIT_S, OffloadingEvent, RequestOffloadingContext, 
                       merge_options, missing_features, pick_medium, unsupported, vllm_installed, vllm_version)
 from ._compat import stats_class
 from ._namespace import IdentityUnknown  # noqa: F401 (re-exported)
+from ._removals import parse_media
 
 SPEC_WINDOW = (
     "vLLM with the full offloading-spec interface of v0.26.0 (2026-07-26; run against v0.26.0, "
@@ -165,7 +166,9 @@ OPTIONS = {
     "daemon_wait_s": DAEMON_WAIT_S,  # the longest start and shutdown wait on the daemon
     "load_retry_s": 30.0,       # worker: a load lost with the connection is loaded again for this long
     "client_name": "vllm-spec",
-    "max_events": 1 << 16,
+    "max_events": 1 << 16,      # keys of stored events queued between two take_events calls
+    "max_tracked_keys": 1 << 18,  # keys announced stored whose removal is reported (docs/routers.md)
+    "mount_media": None,        # {daemon mount index: vLLM Medium name}: a move between media is reported
     "page_bytes": None,         # bytes per layer and GPU block, where the config cannot say
     "page_layout": None,        # the workers' page byte order ("FLASHINFER/HND"), where not the default's
     "metrics": True,            # the manager's counters reported through vLLM's metrics (get_stats)
@@ -218,7 +221,7 @@ def options(config):
         raise ValueError(f"kvhost.vllm: miss_ttl_s: want seconds > 0 (a MISS must be answered), got {o['miss_ttl_s']!r}")
     if not 1 <= o["pin_lease_s"] <= p.MAX_LEASE_MS / 1000:
         raise ValueError(f"kvhost.vllm: pin_lease_s: want 1..{p.MAX_LEASE_MS // 1000}, got {o['pin_lease_s']!r}")
-    for k in ("max_store_keys_inflight", "max_events"):
+    for k in ("max_store_keys_inflight", "max_events", "max_tracked_keys"):
         if isinstance(o[k], bool) or not isinstance(o[k], int) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
     pb = o["page_bytes"]
@@ -231,6 +234,7 @@ def options(config):
         raise ValueError(f"kvhost.vllm: namespace: want a string, got {o['namespace']!r}")
     if o["page_layout"] is not None:
         ns_.page_layout(config, o["page_layout"])  # its form, checked
+    parse_media(o["mount_media"])  # its form; the names are checked against vLLM's Medium at start
     return o
 
 

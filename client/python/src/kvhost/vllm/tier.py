@@ -34,6 +34,7 @@ from ._common import (DAEMON_WAIT_S, DaemonAbsent, Reconnects, absent_if_late, a
                       check_request_timeout, check_seconds, daemon_key as _daemon_key, daemon_state, has_field,
                       lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options, open_client,
                       open_mapped as _open_mapped, pick_medium as _pick_medium, reason, setup_timeout, wait_ended)
+from ._removals import OffloadingRemovals, parse_media
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
 # stops it propagating), so messages logged here appear in vLLM's own output.
@@ -50,7 +51,9 @@ _OWN_KEYS = {
     "job_timeout_s": 60.0,
     "medium": None,
     "client_name": "vllm-tier",
-    "max_events": 1 << 16,
+    "max_events": 1 << 16,  # keys of stored events queued between two take_events calls
+    "max_tracked_keys": 1 << 18,  # keys announced stored whose removal is reported (docs/routers.md)
+    "mount_media": None,  # {daemon mount index: vLLM Medium name}: a move between media is reported
     "vllm_fs": False,
     "reconnect_s": 1.0,
     "request_timeout_s": 30.0,
@@ -111,12 +114,13 @@ def _options(own):
         raise ValueError(f"kvhost.vllm: page_layout {o['page_layout']!r} with vllm_fs: vLLM's fs-tier directory "
                          f"is named without the page layout, so it cannot keep engines of another layout apart; "
                          f"give them another fs-tier root instead, or leave vllm_fs out")
-    for k in ("threads", "max_events"):
+    for k in ("threads", "max_events", "max_tracked_keys"):
         if not isinstance(o[k], int) or isinstance(o[k], bool) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
     check_seconds(o, ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"))
     check_request_timeout(o)
     check_daemon_wait(o)
+    parse_media(o["mount_media"])  # its form; the names are checked against vLLM's Medium at start
     return o
 
 
@@ -414,7 +418,7 @@ class _TierImpl(Reconnects):
         self._finished = []
         self._runs = {}            # job id -> _Run, from submit until its thread ends it
         self._held = None          # vLLM's rows given-up jobs may still touch (_HeldRows), once any is
-        self._events = collections.deque()
+        self._removals = None      # the stored and removed events (OffloadingRemovals), once started
         self._stats = collections.Counter()
         self._reported = collections.Counter()
         self._reported_inflight = 0
@@ -447,6 +451,13 @@ class _TierImpl(Reconnects):
         except BaseException:
             self._release()
             raise
+        # Stored events, and the removals of what they announced, from a
+        # daemon connection of their own (docs/routers.md).
+        self._removals = OffloadingRemovals(
+            api, self._medium, o["socket"], [geom], fields=self._event_fields,
+            media=parse_media(o["mount_media"], lambda name: _pick_medium(api, name)), events=self._events_on,
+            name=o["client_name"] + "-removals", max_tracked=o["max_tracked_keys"], max_queued=o["max_events"],
+            reconnect_s=o["reconnect_s"], timeout=setup_timeout(o), what="tier removals")
         self._pool = concurrent.futures.ThreadPoolExecutor(o["threads"], thread_name_prefix="kvhost-tier")
         self._lookup_thread = threading.Thread(target=self._lookup_loop, name="kvhost-tier-lookup", daemon=True)
         self._lookup_thread.start()
@@ -901,13 +912,9 @@ class _TierImpl(Reconnects):
         fine = ok_out if load else ok_out + (p.OUTCOME_NOT_ADMITTED,)
         good = [k for k, o in zip(keys, outcomes) if o in ok_out]
         success = all(o in fine for o in outcomes)
-        events = []
-        if self._events_on:
-            # A load reports the keys it found gone, a store those it stored.
-            changed = p.OUTCOME_MISSING if load else p.OUTCOME_STORED
-            ks = [k for k, o in zip(keys, outcomes) if o == changed]
-            if ks:
-                events.append(api.OffloadingEvent(keys=ks, medium=self._medium, removed=load, **self._event_fields))
+        # A load reports the keys it found gone, a store those it stored.
+        changed = p.OUTCOME_MISSING if load else p.OUTCOME_STORED
+        ks = [k for k, o in zip(keys, outcomes) if o == changed]
         result = api.JobResult(job_id=job_id, success=success, successful_keys=good)
         if hasattr(result, "transfer_time"):
             result.transfer_time = seconds
@@ -946,15 +953,12 @@ class _TierImpl(Reconnects):
                         self._answers[k] = (True, expiry)
             if not success:
                 s["failed_load_jobs" if load else "failed_store_jobs"] += 1
-            for ev in events:
-                if len(self._events) >= self._opts["max_events"]:
-                    self._events.popleft()
-                    s["events_dropped"] += 1
-                self._events.append(ev)
             self._finished.append(result)
             self._runs.pop(job_id, None)
             self._inflight -= 1
             self._cv.notify_all()
+        if ks:  # a removal only of what a stored event announced (docs/routers.md)
+            (self._removals.gone if load else self._removals.stored)(ks)
 
     def get_finished_jobs(self):
         """Jobs completed since the last call (JobResult with successful_keys).
@@ -1052,11 +1056,10 @@ class _TierImpl(Reconnects):
         return None
 
     def take_events(self):
-        """Stored (removed=False) and vanished (removed=True) keys since the last call."""
-        with self._lock:
-            out = list(self._events)
-            self._events.clear()
-        return out
+        """Keys this tier stored (removed=False) and, of those, keys the
+        daemon dropped since (removed=True; a move between media: both),
+        since the last call; never waits on the daemon (docs/routers.md)."""
+        return self._removals.take_events()
 
     def counters(self):
         """This tier's counters since it started, as a dict (no daemon
@@ -1067,6 +1070,7 @@ class _TierImpl(Reconnects):
             s["connected"] = self._broken is None
         s["data_path"] = self.data_path
         s["namespace"] = self._geom.model
+        s["events"] = self._removals.counters()
         if self._zero_copy_error:
             s["zero_copy_error"] = self._zero_copy_error
         return s
@@ -1127,6 +1131,7 @@ class _TierImpl(Reconnects):
         self._pool.shutdown(wait=False)
         self._lookup_thread.join(max(0.0, until - time.monotonic()) + 0.2)
         self._join_reconnectors(until)
+        self._removals.close(max(0.0, until - time.monotonic()) + 0.2)
         self._release()
 
     def _release(self):
