@@ -211,17 +211,22 @@ test-cluster:
 # run beside it); the cross-node hit, a pinned
 # key loading after its node deleted the file, flock
 # sharing between clients and the shared-directory mixed workload (43 s
-# with the cluster's start and stop on 2 cores). scripts/cephfs.sh
+# with the cluster's start and stop on 2 cores); then, on the same
+# cluster, two daemons' removal streams reaching the vLLM halves that
+# announced the keys (cluster evictions, another node's purge; about
+# 10 s). scripts/cephfs.sh
 # installs Ceph's Debian packages when missing; only where they cannot be
 # installed (no apt-get, apt-get failing, not root) does it print a
 # SKIPPED banner and pass. Any other failure fails.
 CLUSTER_BOUNDED_RUN   ?= TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers|TestClusterPinnedKeyLoadsAfterItsNodeDeletesTheFile|TestClusterFlockSharingMatchesTheFUSETable|TestClusterSharedMixedWorkload
 CLUSTER_BOUNDED_PORTS ?= 6791 3302
 .PHONY: test-cluster-bounded
-test-cluster-bounded:
+test-cluster-bounded: build
 	@set -- $(CLUSTER_BOUNDED_PORTS); CEPHFS_MON_PORT=$$1 CEPHFS_MON_PORT2=$$2 \
-	scripts/cephfs.sh run --skip-uninstallable 2 \
-		$(GO) test -race -count=1 -v -timeout 5m -run '$(CLUSTER_BOUNDED_RUN)' ./internal/reliability
+	scripts/cephfs.sh run --skip-uninstallable 2 sh -c '\
+		$(GO) test -race -count=1 -v -timeout 5m -run "$(CLUSTER_BOUNDED_RUN)" ./internal/reliability && \
+		cd client/python && KVHOST_BIN=$(CURDIR)/bin/kvhost PYTHONPATH=src:tests \
+		/usr/bin/python3 -m unittest -v test_vllm_removals.TestSharedClusterMount'
 
 # Container images (deploy/docker): the daemon's, which deploy/kubernetes
 # runs as kvhost:dev, and vLLM's with kvhost's client. IMAGE=NAME:TAG

@@ -435,13 +435,21 @@ class TestSharedClusterMount(unittest.TestCase):
     capacity, as on a shared CephFS mount (cluster.md): each node evicts
     its own files to keep the mount within the bound, a purge on one node
     reaches the other; each half reports the removals of what it
-    announced, and of no other node's keys."""
+    announced, and of no other node's keys. With KVHOST_CLUSTER_MOUNTS
+    (two mounts of one shared file system, as scripts/cephfs.sh run sets
+    it: make test-cluster-bounded) each node's daemon serves the directory
+    through its own mount; else both share one local directory."""
 
     def test_cluster_evictions_and_another_nodes_purge_reach_the_half_that_announced_the_keys(self):
-        shared = tempfile.mkdtemp(prefix="kvhost-test-shared-")
-        self.addCleanup(shutil.rmtree, shared, True)
+        mounts = [m for m in os.environ.get("KVHOST_CLUSTER_MOUNTS", "").split(":") if m][:2]
+        name = os.path.basename(tempfile.mkdtemp(prefix="kvhost-test-shared-", dir=mounts[0] if mounts else None))
+        if len(mounts) == 2:
+            dirs = [os.path.join(m, name) for m in mounts]
+        else:
+            dirs = [os.path.join(tempfile.gettempdir(), name)] * 2
+        self.addCleanup(shutil.rmtree, dirs[0], True)
         nodes, halves, workers = {}, {}, {}
-        for n in ("a", "b"):
+        for n, shared in zip(("a", "b"), dirs):
             nodes[n] = Daemon(capacity="64MiB", dir=shared, extra_toml=f'[engine]\nnode_id = "node-{n}"\n',
                               after_toml='cluster_capacity = "1MiB"\ncluster_interval = "100ms"\n')
             self.addCleanup(nodes[n].stop)
@@ -465,15 +473,20 @@ class TestSharedClusterMount(unittest.TestCase):
             self.assertEqual(c["removed_cluster_evicted"], 8, c)
             self.assertGreater(c["removals_not_reported"], 0, "the fillers, announced by no one")
         # A purge on node b reaches node a (its purge record): a's
-        # announced keys are reported removed by a's half.
-        more = [vkey(i) for i in range(200, 204)]
-        self.assertEqual(workers["a"].store(more), more)
+        # announced keys are reported removed by a's half, each once. The
+        # mount is still near its bound (b's fillers): a may store only
+        # some of them, and evict some before the purge or before it
+        # announced them (a cluster eviction, or the check of a key
+        # removed before its announcement, is their removal then).
+        more = workers["a"].store([vkey(i) for i in range(200, 204)])
+        self.assertTrue(more, "node a stored none of the keys to purge")
         halves["a"].stored(more)
         halves["a"].take_events()
         workers["b"].c.purge(fingerprint=workers["b"].ns.fingerprint)
-        evs = events_until(self, halves["a"], lambda evs: len(removed_keys(evs)) >= 4, "the purge at node a")
+        evs = events_until(self, halves["a"], lambda evs: len(removed_keys(evs)) >= len(more), "the purge at node a")
         self.assertEqual(sorted(removed_keys(evs)), sorted(more))
-        self.assertEqual(halves["a"].counters().get("removed_purged", 0), 4, halves["a"].counters())
+        c = halves["a"].counters()
+        self.assertGreater(c.get("removed_purged", 0), 0, c)
 
 
 class TestGroups(unittest.TestCase):
