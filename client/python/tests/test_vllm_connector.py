@@ -385,6 +385,11 @@ class LayerWaitTest(unittest.TestCase):
         jobs[-1].finish()
         self.assertEqual(w.finished(set()), {"r"})
         self.assertEqual(w.counters()["load_given_up_jobs"], LAYERS)
+        # What the given-up jobs were to move, over the time they had: the
+        # split's load rate learns that this mount is at most that fast.
+        wm = w.worker_meta()
+        self.assertEqual(wm.nbytes, 4 * LAYERS * w._ident["page_bytes"])  # 4 pages in every layer
+        self.assertGreaterEqual(wm.seconds, 0.2)
 
     def test_a_request_whose_loads_ended_is_reported_once_it_finishes(self):
         w = self.worker(1)
