@@ -896,6 +896,34 @@ type DaemonStats struct {
 	Regions                 uint64      // host memory regions registered by all connections
 	RegisteredBytes         uint64      // their bytes
 	Mounts                  []MountInfo // one per Stats.Mounts, in order
+	// Budgets is the use of each byte budget per namespace ([[budget]]),
+	// in configuration order, at most MaxStatsBudgets: empty from a
+	// daemon without budgets, nil from one that predates them. Sent in
+	// the budgets section of the reply, after the caches section, not in
+	// this one; BudgetsLeftOut counts those beyond MaxStatsBudgets.
+	Budgets        []BudgetStats
+	BudgetsLeftOut uint64
+}
+
+// MaxStatsBudgets bounds the budgets a Stats reply lists.
+const MaxStatsBudgets = 128
+
+// maxBudgetModel bounds a budget's pattern in a Stats reply (model ids
+// are at most MaxModelLen bytes: a longer pattern matches none).
+const maxBudgetModel = 255
+
+// BudgetStats is the use of one byte budget (host/engine.BudgetStats).
+type BudgetStats struct {
+	// Model is the budget's pattern: a model id, or a prefix of model
+	// ids ending in "*" (at most 255 bytes).
+	Model  string
+	Used   uint64 // the bytes of the indexed files of the namespaces it covers
+	Budget uint64 // its bytes (0: none, only a floor)
+	Floor  uint64 // what an eviction never takes them below (0: none)
+	// Over counts the files evictions took first because the namespaces
+	// were over the budget; Kept, the eviction victims skipped because
+	// taking them would cross the floor.
+	Over, Kept uint64
 }
 
 // MountInfo is what DaemonStats says about one mount.
@@ -1015,7 +1043,11 @@ func (m *Stats) fields() []*uint64 {
 // most MaxStatsNamespaces) | u64 left out | per namespace: u64
 // fingerprint, u64 files, u64 keys, u64 bytes, u8 declared, 7 × 0, str8
 // model | the caches section (after the namespaces section only): u32
-// count (that of the namespaces) | per namespace: u32 caches.
+// count (that of the namespaces) | per namespace: u32 caches | the budgets
+// section if Daemon.Budgets is set (after the caches section only; with
+// Namespaces nil, an empty namespaces and caches section come first): u32
+// count (at most MaxStatsBudgets) | u64 left out | per budget: u64 used,
+// u64 budget, u64 floor, u64 over, u64 kept, str8 model.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -1059,8 +1091,15 @@ func (m *Stats) AppendBody(b []byte) []byte {
 						b = appendU64(appendU64(appendU64(b, uint64(f.Since)), uint64(f.Last)), f.Stores)
 						b = appendStr16(b, f.Err, maxDaemonText)
 					}
-					if nl := m.Namespaces; nl != nil {
+					nl := m.Namespaces
+					if nl == nil && m.Daemon.Budgets != nil {
+						nl = &NamespaceList{} // the budgets section comes after it
+					}
+					if nl != nil {
 						b = appendNamespaces(b, nl)
+					}
+					if m.Daemon.Budgets != nil {
+						b = appendBudgets(b, m.Daemon)
 					}
 				}
 			}
@@ -1153,8 +1192,11 @@ func (m *Stats) DecodeBody(b []byte) error {
 		if d.err == nil && len(d.b) > 0 {
 			decodeCaches(&d, m.Namespaces)
 		}
+		if d.err == nil && len(d.b) > 0 {
+			decodeBudgets(&d, m.Daemon)
+		}
 	}
-	// Bytes after the caches section are sections of a later daemon,
+	// Bytes after the budgets section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err
@@ -1197,6 +1239,37 @@ func decodeCaches(d *decoder, nl *NamespaceList) {
 	}
 	for i := 0; d.err == nil && i < n; i++ {
 		nl.List[i].Caches = d.u32("namespace caches")
+	}
+}
+
+// appendBudgets encodes the budgets section of m.
+func appendBudgets(b []byte, m *DaemonStats) []byte {
+	list := m.Budgets[:min(len(m.Budgets), MaxStatsBudgets)]
+	b = appendU64(appendU32(b, uint32(len(list))), m.BudgetsLeftOut+uint64(len(m.Budgets)-len(list)))
+	for _, bs := range list {
+		b = appendU64(appendU64(appendU64(appendU64(appendU64(b, bs.Used), bs.Budget), bs.Floor), bs.Over), bs.Kept)
+		b = appendStr8(b, bs.Model, maxBudgetModel)
+	}
+	return b
+}
+
+// decodeBudgets decodes the budgets section into m (a reply of a daemon
+// that predates it ends before it).
+func decodeBudgets(d *decoder, m *DaemonStats) {
+	n := d.count("budget count", 0, MaxStatsBudgets, 5*8+1)
+	left := d.u64("budgets left out")
+	if d.err != nil {
+		return
+	}
+	list := make([]BudgetStats, n)
+	for i := range list {
+		bs := &list[i]
+		bs.Used, bs.Budget, bs.Floor = d.u64("budget used"), d.u64("budget bytes"), d.u64("budget floor")
+		bs.Over, bs.Kept = d.u64("budget over evictions"), d.u64("budget floor skips")
+		bs.Model = d.str8("budget model", maxBudgetModel)
+	}
+	if d.err == nil {
+		m.Budgets, m.BudgetsLeftOut = list, left
 	}
 }
 

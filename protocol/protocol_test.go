@@ -221,10 +221,11 @@ func TestRejects(t *testing.T) {
 }
 
 // TestStatsIgnoresSectionsItDoesNotKnow: bytes after the last section it
-// knows (caches; a later daemon's sections) are ignored, and
+// knows (budgets; a later daemon's sections) are ignored, and
 // everything before them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
-	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
+	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}},
+		Daemon:        &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}, Budgets: []BudgetStats{{Model: "m", Used: 1}}},
 		Devices:       []DeviceStats{{Ordinal: 0, UUID: [16]byte{7}, Faults: 1}},
 		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4},
 		Tiering:       &TierStats{Demotions: 5, Mounts: []TierMount{{MovedIn: 1}}},
@@ -422,7 +423,7 @@ func TestParseHeader(t *testing.T) {
 // file, of one id.
 func fuzzSeeds() [][]byte {
 	var seeds [][]byte
-	for _, m := range slices.Concat(sampleMessages(), pinMessages(), tableMessages(), purgeMessages(), layerMessages(), removalMessages()) {
+	for _, m := range slices.Concat(sampleMessages(), pinMessages(), tableMessages(), purgeMessages(), layerMessages(), removalMessages(), budgetMessages()) {
 		seeds = append(seeds, AppendFrame(nil, 1, m))
 	}
 	return seeds

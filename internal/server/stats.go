@@ -98,7 +98,7 @@ func (s *Server) figures() Stats {
 
 // daemonStats is the daemon section of a Stats reply: the server's
 // figures, the engine's mounts (from the engine.Stats the reply was built
-// from) and what Config.Daemon adds.
+// from), its byte budgets and what Config.Daemon adds.
 func (s *Server) daemonStats(mounts []engine.MountStats) *protocol.DaemonStats {
 	var d protocol.DaemonStats
 	if s.cfg.Daemon != nil {
@@ -114,5 +114,19 @@ func (s *Server) daemonStats(mounts []engine.MountStats) *protocol.DaemonStats {
 		d.Mounts = append(d.Mounts, protocol.MountInfo{Path: mt.Path, Backend: mt.Backend, IO: mt.IO, Checksums: mt.Checksums,
 			Configured: uint64(max(mt.Configured, 0)), Reserve: uint64(max(mt.Reserve, 0))})
 	}
+	// The budgets' use, from a second engine.Stats (cheap: per namespace
+	// and mount, no walk of the index): the reply's is not passed here.
+	d.Budgets = budgetList(s.eng.Stats().Budgets)
 	return &d
+}
+
+// budgetList is the budgets section of a Stats reply: empty, not nil,
+// without budgets (the reply then says there are none).
+func budgetList(bs []engine.BudgetStats) []protocol.BudgetStats {
+	out := make([]protocol.BudgetStats, 0, len(bs))
+	for _, b := range bs {
+		out = append(out, protocol.BudgetStats{Model: b.Model, Used: uint64(max(b.Bytes, 0)), Budget: uint64(max(b.Budget, 0)),
+			Floor: uint64(max(b.Floor, 0)), Over: uint64(max(b.Over, 0)), Kept: uint64(max(b.Kept, 0))})
+	}
+	return out
 }
