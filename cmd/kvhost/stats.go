@@ -9,6 +9,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/kvhost/kvhost/protocol"
 )
 
 // statsReport is what `kvhost stats` shows, and its --json form.
@@ -44,6 +46,26 @@ type statsReport struct {
 	// NamespacesLeftOut counts the smallest, beyond the reply's bound.
 	Namespaces        []statsNamespace `json:"namespaces"`
 	NamespacesLeftOut uint64           `json:"namespaces_left_out,omitempty"`
+	// Budgets is the use of each byte budget per namespace ([[budget]]),
+	// in configuration order: empty without budgets, null from a daemon
+	// that predates the report; BudgetsLeftOut counts those beyond the
+	// reply's bound.
+	Budgets        []statsBudget `json:"budgets"`
+	BudgetsLeftOut uint64        `json:"budgets_left_out,omitempty"`
+}
+
+// statsBudget is one byte budget: the bytes of the namespaces it covers
+// against its budget and floor, and what it did to evictions.
+type statsBudget struct {
+	Model  string `json:"model"`  // the pattern: a model id, or a prefix of ids ending in "*"
+	Used   uint64 `json:"used"`   // the bytes of the indexed files of the namespaces it covers
+	Budget uint64 `json:"budget"` // 0: none, only a floor
+	Floor  uint64 `json:"floor"`  // 0: none
+	// OverEvictions counts the files evictions took first because the
+	// namespaces held more than the budget; FloorSkips, the eviction
+	// victims skipped because taking them would cross the floor.
+	OverEvictions uint64 `json:"over_evictions"`
+	FloorSkips    uint64 `json:"floor_skips"`
 }
 
 // statsNamespace is one namespace: a model at one geometry (the vLLM
@@ -189,6 +211,7 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 				Declared: ns.Declared, Files: ns.Files, Keys: ns.Keys, Bytes: ns.Bytes, Caches: ns.Caches})
 		}
 	}
+	r.Budgets, r.BudgetsLeftOut = reportBudgets(st.Daemon)
 	for _, d := range st.Devices {
 		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit, UUID: gpuUUID(d.UUID), Faults: d.Faults})
 	}
@@ -202,6 +225,20 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		r.InflightJobs = st.InflightJobs
 	}
 	return r, nil
+}
+
+// reportBudgets is the budgets of the report from the daemon section d:
+// nil where the daemon predates them (or the section), empty where it
+// has none.
+func reportBudgets(d *protocol.DaemonStats) ([]statsBudget, uint64) {
+	if d == nil || d.Budgets == nil {
+		return nil, 0
+	}
+	out := make([]statsBudget, 0, len(d.Budgets))
+	for _, b := range d.Budgets {
+		out = append(out, statsBudget{Model: b.Model, Used: b.Used, Budget: b.Budget, Floor: b.Floor, OverEvictions: b.Over, FloorSkips: b.Kept})
+	}
+	return out, d.BudgetsLeftOut
 }
 
 // runStats implements `kvhost stats [--socket S] [--json]`.
@@ -307,6 +344,7 @@ func printStats(w io.Writer, r statsReport) {
 			fmt.Fprintf(w, "  and %d more, each holding less\n", r.NamespacesLeftOut)
 		}
 	}
+	printBudgets(w, r)
 	if len(r.Devices) > 0 {
 		fmt.Fprintln(w, "\nGPU registrations:")
 		for _, d := range r.Devices {
@@ -319,6 +357,33 @@ func printStats(w io.Writer, r statsReport) {
 				fmt.Fprintf(w, "    %s\n", d.faultText())
 			}
 		}
+	}
+}
+
+// printBudgets writes the budgets section of `kvhost stats`: nothing
+// where the daemon has no byte budgets.
+func printBudgets(w io.Writer, r statsReport) {
+	if len(r.Budgets) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "\nbudgets:")
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	// The pattern, free text as the namespaces' model ids are, goes last.
+	fmt.Fprintln(tw, "  used\tbudget\tuse%\tfloor\tevicted over budget\tkept by floor\tmodel")
+	for _, b := range r.Budgets {
+		budget, pct := "none", "-"
+		if b.Budget > 0 {
+			budget, pct = bytesString(b.Budget), fmt.Sprintf("%.1f%%", 100*float64(b.Used)/float64(b.Budget))
+		}
+		floor := "none"
+		if b.Floor > 0 {
+			floor = bytesString(b.Floor)
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%d\t%d\t%s\n", bytesString(b.Used), budget, pct, floor, b.OverEvictions, b.FloorSkips, b.Model)
+	}
+	tw.Flush()
+	if r.BudgetsLeftOut > 0 {
+		fmt.Fprintf(w, "  and %d more (kvhost_budget_* metrics list every one)\n", r.BudgetsLeftOut)
 	}
 }
 

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -64,9 +66,9 @@ func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
 // TestStatsJSONHasTheDocumentedFieldsAndArrays: `kvhost stats --json`
 // against a daemon (run in this process) prints the top-level fields
 // docs/serve.md lists, and its lists (mounts, gpu_devices) are JSON
-// arrays (namespaces too), empty where there is nothing to list, never
-// null: a script that iterates over the GPU devices of a node without a
-// GPU gets none.
+// arrays (namespaces and budgets too), empty where there is nothing to
+// list, never null: a script that iterates over the GPU devices of a node
+// without a GPU gets none.
 func TestStatsJSONHasTheDocumentedFieldsAndArrays(t *testing.T) {
 	ctx, socket := serveTestConfig(t)
 
@@ -79,12 +81,12 @@ func TestStatsJSONHasTheDocumentedFieldsAndArrays(t *testing.T) {
 		t.Fatalf("kvhost stats --json is not JSON: %v\n%s", err, out.String())
 	}
 	for _, k := range []string{"socket", "version", "started", "uptime", "policy", "reloads", "clients", "inflight_jobs",
-		"regions", "registered_bytes", "entries", "keys", "counters", "tiering", "mounts", "gpu_devices", "namespaces"} {
+		"regions", "registered_bytes", "entries", "keys", "counters", "tiering", "mounts", "gpu_devices", "namespaces", "budgets"} {
 		if _, ok := got[k]; !ok {
 			t.Errorf("no %q in kvhost stats --json:\n%s", k, out.String())
 		}
 	}
-	for _, k := range []string{"mounts", "gpu_devices", "namespaces"} {
+	for _, k := range []string{"mounts", "gpu_devices", "namespaces", "budgets"} {
 		if _, ok := got[k].([]any); !ok {
 			t.Errorf("kvhost stats --json: %q is %v, want an array", k, got[k])
 		}
@@ -236,5 +238,119 @@ func TestStatsNamesTheCapacityAndTheConfiguredOne(t *testing.T) {
 	row := regexp.MustCompile(`(?m)^  /nvme .* 1(\.0)?GiB +75(\.0)?GiB +227(\.0)?GiB +1\.3%`)
 	if !header.MatchString(out.String()) || !row.MatchString(out.String()) || !strings.Contains(out.String(), "capacity below configured") {
 		t.Errorf("stats lacks the capacity and the configured capacity, named:\n%s", out.String())
+	}
+}
+
+// TestStatsShowsEachBudgetAgainstItsUse: `kvhost stats` against a daemon
+// (run in this process) with two [[budget]] tables prints a budgets
+// section of one line per budget, in configuration order: the bytes its
+// namespaces hold against its budget and floor, and the evictions it
+// caused and its floor prevented; --json has the same under "budgets".
+// The namespace stored in counts against the budget whose pattern
+// matches its model id; the other budget holds nothing.
+func TestStatsShowsEachBudgetAgainstItsUse(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "[[budget]]\nmodel = \"ops/*\"\nbytes = \"1MiB\"\nfloor = \"64KiB\"\n\n"+
+		"[[budget]]\nmodel = \"vllm:other:*\"\nfloor = \"2MiB\"\n")
+	ctx := t.Context()
+	serveUntilDone(t, ctx, file, socket)
+	k := newKVCache(t, socket)
+	for i, key := range []string{"a", "b", "c"} {
+		res, err := k.do(ctx, true, key, []uint32{uint32(2 * i), uint32(2*i + 1)})
+		if err != nil || res.Count(protocol.OutcomeStored) != 1 {
+			t.Fatalf("store %s: %+v, %v", key, res, err)
+		}
+	}
+	st := statsJSON(t, ctx, socket)
+	if len(st.Namespaces) != 1 || st.Namespaces[0].Bytes == 0 {
+		t.Fatalf("namespaces %+v, want the one stored in", st.Namespaces)
+	}
+	used := st.Namespaces[0].Bytes
+	want := []statsBudget{{Model: "ops/*", Used: used, Budget: 1 << 20, Floor: 64 << 10}, {Model: "vllm:other:*", Floor: 2 << 20}}
+	if !slices.Equal(st.Budgets, want) || st.BudgetsLeftOut != 0 {
+		t.Fatalf("kvhost stats --json budgets %+v (%d left out), want %+v", st.Budgets, st.BudgetsLeftOut, want)
+	}
+	var out, errb bytes.Buffer
+	if code := run(ctx, []string{"stats", "--socket", socket}, &out, &errb); code != 0 {
+		t.Fatalf("kvhost stats: exit %d: %s", code, errb.String())
+	}
+	_, section, ok := strings.Cut(out.String(), "\nbudgets:\n")
+	if !ok {
+		t.Fatalf("kvhost stats:\n%s\nwant a budgets section", out.String())
+	}
+	pct := fmt.Sprintf("%.1f%%", 100*float64(used)/(1<<20))
+	rows := []*regexp.Regexp{
+		regexp.MustCompile(`(?m)^  used +budget +use% +floor +evicted over budget +kept by floor +model$`),
+		regexp.MustCompile(`(?m)^  ` + regexp.QuoteMeta(bytesString(used)) + ` +1MiB +` + regexp.QuoteMeta(pct) + ` +64KiB +0 +0 +ops/\*$`),
+		regexp.MustCompile(`(?m)^  0B +none +- +2MiB +0 +0 +vllm:other:\*$`),
+	}
+	for _, re := range rows {
+		if !re.MatchString(section) {
+			t.Errorf("budgets section:\n%s\nhas no line matching %s", section, re)
+		}
+	}
+}
+
+// TestStatsBudgetsSection: the budgets section of `kvhost stats` prints
+// one line per budget with its use against its budget (or none: a floor
+// only) and floor, in human units, and the evictions it caused and its
+// floor prevented, and how many the reply left out; nothing where the
+// daemon has no budgets or predates them.
+func TestStatsBudgetsSection(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		r    statsReport
+		want []string // lines of the section, as regular expressions; none: no section
+	}{
+		{"no budgets", statsReport{Budgets: []statsBudget{}}, nil},
+		{"a daemon that predates budgets", statsReport{}, nil},
+		{"over its budget, and a floor only", statsReport{Budgets: []statsBudget{
+			{Model: "vllm:meta-llama_Llama-3.1-8B-Instruct:*", Used: 3 << 30, Budget: 2 << 30, Floor: 512 << 20, OverEvictions: 1234, FloorSkips: 0},
+			{Model: "tenant/quiet", Used: 100 << 20, Floor: 1 << 30, FloorSkips: 56},
+		}, BudgetsLeftOut: 2}, []string{
+			`^  3GiB +2GiB +150\.0% +512MiB +1234 +0 +vllm:meta-llama_Llama-3\.1-8B-Instruct:\*$`,
+			`^  100MiB +none +- +1GiB +0 +56 +tenant/quiet$`,
+			`^  and 2 more`,
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var out bytes.Buffer
+			printStats(&out, tc.r)
+			_, section, ok := strings.Cut(out.String(), "\nbudgets:\n")
+			if ok != (tc.want != nil) {
+				t.Fatalf("kvhost stats:\n%s\nbudgets section: %v, want %v", out.String(), ok, tc.want != nil)
+			}
+			for _, w := range tc.want {
+				if !regexp.MustCompile(`(?m)` + w).MatchString(section) {
+					t.Errorf("budgets section:\n%s\nhas no line matching %s", section, w)
+				}
+			}
+		})
+	}
+}
+
+// TestStatsReportsBudgetsAsTheDaemonSends: the report's budgets are null
+// from a daemon that predates them (no daemon section, or no budgets
+// section), an empty list from one without budgets, and each budget's
+// figures otherwise.
+func TestStatsReportsBudgetsAsTheDaemonSends(t *testing.T) {
+	two := []protocol.BudgetStats{{Model: "a:*", Used: 1, Budget: 2, Floor: 3, Over: 4, Kept: 5}, {Model: "b"}}
+	for _, tc := range []struct {
+		name string
+		d    *protocol.DaemonStats
+		want []statsBudget
+		left uint64
+	}{
+		{"no daemon section", nil, nil, 0},
+		{"no budgets section", &protocol.DaemonStats{}, nil, 0},
+		{"no budgets", &protocol.DaemonStats{Budgets: []protocol.BudgetStats{}}, []statsBudget{}, 0},
+		{"two budgets, one left out", &protocol.DaemonStats{Budgets: two, BudgetsLeftOut: 1},
+			[]statsBudget{{Model: "a:*", Used: 1, Budget: 2, Floor: 3, OverEvictions: 4, FloorSkips: 5}, {Model: "b"}}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, left := reportBudgets(tc.d)
+			if (got == nil) != (tc.want == nil) || !slices.Equal(got, tc.want) || left != tc.left {
+				t.Fatalf("reportBudgets = %#v, %d; want %#v, %d", got, left, tc.want, tc.left)
+			}
+		})
 	}
 }
