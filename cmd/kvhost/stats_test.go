@@ -129,13 +129,7 @@ func TestHealthWarnsOfAMountThatRefusesStores(t *testing.T) {
 // how much each holds and whether an engine's workers are connected.
 func TestStatsListsEachNamespaceWithItsKeys(t *testing.T) {
 	ctx, socket := serveTestConfig(t)
-	k := newKVCache(t, socket)
-	for i, key := range []string{"a", "b", "c"} {
-		res, err := k.do(ctx, true, key, []uint32{uint32(2 * i), uint32(2*i + 1)})
-		if err != nil || res.Count(protocol.OutcomeStored) != 1 {
-			t.Fatalf("store %s: %+v, %v", key, res, err)
-		}
-	}
+	storeThreeKeys(t, ctx, socket)
 	st := statsJSON(t, ctx, socket)
 	if len(st.Namespaces) != 1 {
 		t.Fatalf("kvhost stats --json namespaces: %+v, want the one declared", st.Namespaces)
@@ -156,6 +150,19 @@ func TestStatsListsEachNamespaceWithItsKeys(t *testing.T) {
 	}
 	if !strings.Contains(out.String(), "namespaces:") || !strings.Contains(line, ns.Fingerprint) || !strings.Contains(line, " 3 ") {
 		t.Fatalf("kvhost stats:\n%s\nwant a namespaces section with %s, its fingerprint and 3 keys", out.String(), opsGeo.Model)
+	}
+}
+
+// storeThreeKeys stores keys a, b and c of opsGeo through a client of the
+// daemon at socket, its cache registered until the test ends.
+func storeThreeKeys(t *testing.T, ctx context.Context, socket string) {
+	t.Helper()
+	k := newKVCache(t, socket)
+	for i, key := range []string{"a", "b", "c"} {
+		res, err := k.do(ctx, true, key, []uint32{uint32(2 * i), uint32(2*i + 1)})
+		if err != nil || res.Count(protocol.OutcomeStored) != 1 {
+			t.Fatalf("store %s: %+v, %v", key, res, err)
+		}
 	}
 }
 
@@ -253,13 +260,7 @@ func TestStatsShowsEachBudgetAgainstItsUse(t *testing.T) {
 		"[[budget]]\nmodel = \"vllm:other:*\"\nfloor = \"2MiB\"\n")
 	ctx := t.Context()
 	serveUntilDone(t, ctx, file, socket)
-	k := newKVCache(t, socket)
-	for i, key := range []string{"a", "b", "c"} {
-		res, err := k.do(ctx, true, key, []uint32{uint32(2 * i), uint32(2*i + 1)})
-		if err != nil || res.Count(protocol.OutcomeStored) != 1 {
-			t.Fatalf("store %s: %+v, %v", key, res, err)
-		}
-	}
+	storeThreeKeys(t, ctx, socket)
 	st := statsJSON(t, ctx, socket)
 	if len(st.Namespaces) != 1 || st.Namespaces[0].Bytes == 0 {
 		t.Fatalf("namespaces %+v, want the one stored in", st.Namespaces)
