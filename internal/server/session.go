@@ -950,7 +950,7 @@ func (s *session) stats() (protocol.Message, error) {
 		Hits: st.Hits, Misses: st.Misses, Evictions: st.Evictions, Failures: st.Failures,
 		Corrupt: st.Corrupt, Vanished: st.Vanished, BytesWritten: st.BytesWritten, BytesRead: st.BytesRead,
 		Clients: uint64(s.srv.clients()), Regions: uint64(len(s.regions)), Caches: uint64(len(s.caches)),
-		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(st.Mounts),
+		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(st.Mounts, st.Budgets),
 	}
 	m.Spares = &protocol.SpareStats{Reused: st.Reused, Made: st.SparesMade}
 	m.StoresFailing = make([]protocol.MountFailure, 0, len(st.Mounts))

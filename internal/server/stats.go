@@ -99,7 +99,7 @@ func (s *Server) figures() Stats {
 // daemonStats is the daemon section of a Stats reply: the server's
 // figures, the engine's mounts (from the engine.Stats the reply was built
 // from), its byte budgets and what Config.Daemon adds.
-func (s *Server) daemonStats(mounts []engine.MountStats) *protocol.DaemonStats {
+func (s *Server) daemonStats(mounts []engine.MountStats, budgets []engine.BudgetStats) *protocol.DaemonStats {
 	var d protocol.DaemonStats
 	if s.cfg.Daemon != nil {
 		d = s.cfg.Daemon()
@@ -114,9 +114,7 @@ func (s *Server) daemonStats(mounts []engine.MountStats) *protocol.DaemonStats {
 		d.Mounts = append(d.Mounts, protocol.MountInfo{Path: mt.Path, Backend: mt.Backend, IO: mt.IO, Checksums: mt.Checksums,
 			Configured: uint64(max(mt.Configured, 0)), Reserve: uint64(max(mt.Reserve, 0))})
 	}
-	// The budgets' use, from a second engine.Stats (cheap: per namespace
-	// and mount, no walk of the index): the reply's is not passed here.
-	d.Budgets = budgetList(s.eng.Stats().Budgets)
+	d.Budgets = budgetList(budgets)
 	return &d
 }
 
