@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sync"
@@ -51,7 +52,7 @@ func (e *Engine) Removals() *removals.Feed {
 			classes[i] = className(m.desc.class)
 		}
 		e.rm.feed.SetMounts(classes)
-		go e.sweepVanished()
+		go e.rm.sweep.run(&e.rm.feed, e.busy.down, &e.busy.calls, sweepOf(e))
 	})
 	if e.busy.calls.closing() {
 		e.rm.feed.Close() // at once, not when the sweep's goroutine sees the engine closed
@@ -59,12 +60,32 @@ func (e *Engine) Removals() *removals.Feed {
 	return &e.rm.feed
 }
 
-// sweepVanished runs the sweep's rounds while the feed has subscribers,
-// every interval or sweepPace times the last round's duration, whichever
-// is longer, until the engine closes, and then closes the feed.
-func (e *Engine) sweepVanished() {
-	defer e.rm.feed.Close()
-	every := e.rm.sweep.every
+// sweeper is what a sweep reads of the engine: the indexed files other
+// nodes may remove, their directories' listings, and the check that drops
+// a file found gone as vanished (checker.verify: true while it is there).
+type sweeper struct {
+	files   func() []*entry
+	readDir func(dir string) ([]fs.DirEntry, error)
+	verify  func(ctx context.Context, en *entry) bool
+}
+
+// sweepOf is the engine's sweeper.
+func sweepOf(e *Engine) sweeper {
+	return sweeper{
+		files: func() []*entry {
+			return e.ix.Matching(nil, func(en *entry) bool { return !en.Spare && e.mounts[en.Mount].othersRemove(en) })
+		},
+		readDir: e.fs.ReadDir,
+		verify:  e.chk.verify,
+	}
+}
+
+// run runs the sweep's rounds while feed has subscribers, every interval
+// or sweepPace times the last round's duration, whichever is longer,
+// until down is closed or calls closes, and then closes the feed.
+func (s *vanishSweep) run(feed *removals.Feed, down <-chan struct{}, calls *callGate, sw sweeper) {
+	defer feed.Close()
+	every := s.every
 	if every <= 0 {
 		every = defaultSweepInterval
 	}
@@ -72,20 +93,20 @@ func (e *Engine) sweepVanished() {
 	defer tm.Stop()
 	for {
 		select {
-		case <-e.busy.down:
+		case <-down:
 			return
 		case <-tm.C:
 		}
-		if e.rm.feed.Subscribers() == 0 {
+		if feed.Subscribers() == 0 {
 			tm.Reset(every)
 			continue
 		}
-		if e.busy.calls.enter() != nil {
+		if calls.enter() != nil {
 			return
 		}
 		start := time.Now()
-		e.sweepRound(context.Background())
-		e.busy.calls.exit()
+		s.round(context.Background(), sw)
+		calls.exit()
 		tm.Reset(max(every, sweepPace*time.Since(start)))
 	}
 }
@@ -97,21 +118,20 @@ func (e *Engine) sweepVanished() {
 // fifth of a core, its lag growing with the index instead.
 const sweepPace = 4
 
-// sweepRound lists the directory of every indexed file that another node
+// round lists the directory of every indexed file that another node
 // may remove (mount.othersRemove) and checks those whose names are gone
 // from it (checker.verify: a stat), which drops a file gone as vanished.
 // A directory whose listing fails is skipped: its files are checked at
 // the next round. A name still listed is not checked: a file another
 // node replaced at the path holds the key still.
-func (e *Engine) sweepRound(ctx context.Context) {
-	ens := e.ix.Matching(nil, func(en *entry) bool { return !en.Spare && e.mounts[en.Mount].othersRemove(en) })
+func (s *vanishSweep) round(ctx context.Context, sw sweeper) {
 	byDir := map[string][]*entry{}
-	for _, en := range ens {
+	for _, en := range sw.files() {
 		dir := filepath.Dir(en.Path)
 		byDir[dir] = append(byDir[dir], en)
 	}
 	for dir, list := range byDir {
-		ents, err := e.fs.ReadDir(dir)
+		ents, err := sw.readDir(dir)
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			continue
 		}
@@ -120,10 +140,10 @@ func (e *Engine) sweepRound(ctx context.Context) {
 			have[d.Name()] = true
 		}
 		for _, en := range list {
-			if !have[filepath.Base(en.Path)] && !e.chk.verify(ctx, en) {
-				e.rm.sweep.found.Add(1)
+			if !have[filepath.Base(en.Path)] && !sw.verify(ctx, en) {
+				s.found.Add(1)
 			}
 		}
 	}
-	e.rm.sweep.rounds.Add(1)
+	s.rounds.Add(1)
 }

@@ -291,24 +291,30 @@ func benchNodeDirs(b *testing.B) map[string]string {
 	return map[string]string{"a": d, "b": filepath.Join(mounts[1], filepath.Base(d))}
 }
 
+// benchNodes opens nodes "a" and "b" on benchNodeDirs' cluster mount of
+// that capacity and interval, each with a declared namespace and a cache.
+func benchNodes(b *testing.B, capacity int64, interval time.Duration) (a, n *node) {
+	dirs := benchNodeDirs(b)
+	open := func(id string) *node {
+		e := openEngine(b, Config{Mounts: []Mount{{Path: dirs[id], ClusterCapacity: capacity, ClusterInterval: interval}}, NodeID: id,
+			Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+		g := smallGeometry(true)
+		ns, err := e.Declare(context.Background(), g)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return &node{e: e, ns: ns, c: newTestCache(b, e, ns, g, 64, layoutPlaneFirst)}
+	}
+	return open("a"), open("b")
+}
+
 // BenchmarkOtherNodeRemovalLag measures the time from a delete on node A
 // of a cluster mount to the record of it on node B (whose sweep runs at
 // its default interval), B having indexed the key; it reports the p50 and
 // p99 of that lag. The mount is benchNodeDirs'.
 func BenchmarkOtherNodeRemovalLag(b *testing.B) {
 	ctx := context.Background()
-	dirs := benchNodeDirs(b)
-	open := func(id string) *node {
-		e := openEngine(b, Config{Mounts: []Mount{{Path: dirs[id], ClusterCapacity: 1 << 30, ClusterInterval: time.Second}}, NodeID: id,
-			Policy: newTestPolicy(1, abi.OrderLayerMajor)})
-		g := smallGeometry(true)
-		ns, err := e.Declare(ctx, g)
-		if err != nil {
-			b.Fatal(err)
-		}
-		return &node{e: e, ns: ns, c: newTestCache(b, e, ns, g, 64, layoutPlaneFirst)}
-	}
-	a, n := open("a"), open("b")
+	a, n := benchNodes(b, 1<<30, time.Second)
 	sub, _, _, err := n.e.Removals().Subscribe(nil, 0, 0)
 	if err != nil {
 		b.Fatal(err)
@@ -460,18 +466,7 @@ func TestAKeyAnotherNodeStoresAgainAtItsPathIsNoRemoval(t *testing.T) {
 // round's cost per file.
 func BenchmarkSweepRound(b *testing.B) {
 	ctx := context.Background()
-	dirs := benchNodeDirs(b)
-	open := func(id string) *node {
-		e := openEngine(b, Config{Mounts: []Mount{{Path: dirs[id], ClusterCapacity: 1 << 40, ClusterInterval: time.Hour}}, NodeID: id,
-			Policy: newTestPolicy(1, abi.OrderLayerMajor)})
-		g := smallGeometry(true)
-		ns, err := e.Declare(ctx, g)
-		if err != nil {
-			b.Fatal(err)
-		}
-		return &node{e: e, ns: ns, c: newTestCache(b, e, ns, g, 64, layoutPlaneFirst)}
-	}
-	a, n := open("a"), open("b")
+	a, n := benchNodes(b, 1<<40, time.Hour)
 	const files = 2000
 	keys := testKeys("sweep", files)
 	a.c.fill(rand.New(rand.NewPCG(1, 1)), []int{0, 1, 2, 3})
@@ -490,7 +485,7 @@ func BenchmarkSweepRound(b *testing.B) {
 		listed[filepath.Dir(n.e.find(n.e.tables.get(n.ns), k).Path)] = true
 	}
 	for b.Loop() {
-		n.e.sweepRound(ctx)
+		n.e.rm.sweep.round(ctx, sweepOf(n.e))
 	}
 	if n.e.rm.sweep.found.Load() != 0 {
 		b.Fatal("the sweep found present files gone")
