@@ -23,16 +23,7 @@ func TestLoadLayersNeedsTheFeature(t *testing.T) {
 		{Version: 2, MaxFrame: protocol.MinFrame, MaxKeys: 4096, MaxKeyLen: 64, Server: "v2 without the bit"},
 	} {
 		t.Run(w.Server, func(t *testing.T) {
-			next := make(chan protocol.Type, 1)
-			sock := fakeDaemonWelcoming(t, w, func(c *net.UnixConn) {
-				h, _, err := readRequest(c)
-				if err != nil {
-					close(next)
-					return
-				}
-				next <- h.Type
-				c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Count{T: protocol.TypeLookup | protocol.TypeReply}))
-			})
+			sock, next := fakeDaemonAnsweringALookup(t, w)
 			c := dialFake(t, sock)
 			if c.Supports(client.FeatureLayerLoads) {
 				t.Fatal("Supports(FeatureLayerLoads) of a daemon that did not announce it")
@@ -120,4 +111,22 @@ func TestDialSpeaksVersion1ToADaemonThatRefusesVersion2(t *testing.T) {
 	if lim := c.Limits(); lim.Version != 1 || lim.Server != "old" || lim.Features != 0 || c.Supports(client.FeatureLayerLoads) {
 		t.Fatalf("limits %+v after the fallback, want version 1 of %q without features", lim, "old")
 	}
+}
+
+// fakeDaemonAnsweringALookup is a fake daemon that sends welcome, reads
+// one request, says its type on next (closed if none came) and answers it
+// as a lookup: a client that refuses a request locally sends the next one
+// instead.
+func fakeDaemonAnsweringALookup(t *testing.T, welcome *protocol.Welcome) (sock string, next <-chan protocol.Type) {
+	ch := make(chan protocol.Type, 1)
+	sock = fakeDaemonWelcoming(t, welcome, func(c *net.UnixConn) {
+		h, _, err := readRequest(c)
+		if err != nil {
+			close(ch)
+			return
+		}
+		ch <- h.Type
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Count{T: protocol.TypeLookup | protocol.TypeReply}))
+	})
+	return sock, ch
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log"
 	"math/rand/v2"
-	"net"
 	"slices"
 	"testing"
 
@@ -18,17 +17,8 @@ import (
 // TestRemovalsNeedTheFeature: to a daemon whose Welcome announces no
 // removal streams Removals returns ErrUnsupported and sends nothing.
 func TestRemovalsNeedTheFeature(t *testing.T) {
-	next := make(chan protocol.Type, 1)
-	sock := fakeDaemonWelcoming(t, &protocol.Welcome{Version: 2, MaxFrame: protocol.MinFrame, MaxKeys: 4096, MaxKeyLen: 64,
-		Server: "layers only", Features: protocol.FeatureLayerLoads}, func(c *net.UnixConn) {
-		h, _, err := readRequest(c)
-		if err != nil {
-			close(next)
-			return
-		}
-		next <- h.Type
-		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Count{T: protocol.TypeLookup | protocol.TypeReply}))
-	})
+	sock, next := fakeDaemonAnsweringALookup(t, &protocol.Welcome{Version: 2, MaxFrame: protocol.MinFrame, MaxKeys: 4096,
+		MaxKeyLen: 64, Server: "layers only", Features: protocol.FeatureLayerLoads})
 	c := dialFake(t, sock)
 	ctx := context.Background()
 	if _, err := c.Removals(ctx, client.RemovalCursor{}); !errors.Is(err, client.ErrUnsupported) {
