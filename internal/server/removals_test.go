@@ -8,10 +8,22 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 )
+
+// TestEveryEngineReasonIsTheProtocolsOfTheSameName: the server sends an
+// engine removal's reason as its number, so each number must name the
+// same reason on both sides.
+func TestEveryEngineReasonIsTheProtocolsOfTheSameName(t *testing.T) {
+	for r := removals.Evicted; r <= removals.Moved; r++ {
+		if got, want := protocol.RemovalReason(r).String(), r.String(); got != want {
+			t.Errorf("reason %d: the protocol names it %q, the engine %q", r, got, want)
+		}
+	}
+}
 
 // storeMany stores n keys named prefix-i (long names: 60 bytes) from k's
 // blocks, 16 keys a job, and returns them.
