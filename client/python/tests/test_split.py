@@ -56,5 +56,63 @@ class PrefillScaleTest(unittest.TestCase):
         self.assertAlmostEqual(m.prefill_scale, 0.5, places=6)
 
 
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class LoadRateRecoveryTest(unittest.TestCase):
+    """A learned load rate has a way back: unmeasured, it returns to the
+    configured one, so a split that stopped claiming claims again."""
+
+    PROMPT, HIT, CHUNK = 32768 + 512, 32768, 256
+
+    def test_a_rate_learned_in_a_slow_episode_returns_to_the_configured_one(self):
+        clock = Clock()
+        m = model(recover_s=30.0, clock=clock, alpha=0.5)
+        for _ in range(30):
+            m.observe_load(1_000_000, 1.0)  # 1 MB/s: a mount that froze
+        self.assertLess(m.load_gbps, 0.01)
+        self.assertEqual(m.split(self.PROMPT, 0, self.HIT, self.CHUNK), 0)  # nothing worth loading
+        clock.now += 30.0
+        self.assertAlmostEqual(m.load_gbps, (2.0 + 0.001) / 2, delta=0.01)  # half way back per recover_s
+        clock.now += 300.0
+        self.assertAlmostEqual(m.load_gbps, 2.0, delta=0.01)
+        self.assertGreater(m.split(self.PROMPT, 0, self.HIT, self.CHUNK), 0)  # claims again, so loads measure again
+
+    def test_a_measurement_after_recovery_starts_from_the_recovered_rate(self):
+        clock = Clock()
+        m = model(recover_s=10.0, clock=clock, alpha=0.5)
+        m.observe_load(1_000_000_000, 1.0)  # 1 GB/s: half of the configured 2
+        self.assertAlmostEqual(m.load_gbps, 1.5, places=6)
+        clock.now += 1e6  # long unmeasured: back at 2 GB/s
+        m.observe_load(4_000_000_000, 1.0)
+        self.assertAlmostEqual(m.load_gbps, 3.0, places=6)  # 2 + 0.5 * (4 - 2), not 1.5 + ...
+
+    def test_a_rate_above_the_configured_one_also_returns(self):
+        clock = Clock()
+        m = model(recover_s=5.0, clock=clock, alpha=1.0)
+        m.observe_load(20_000_000_000, 1.0)
+        self.assertAlmostEqual(m.load_gbps, 20.0, places=6)
+        clock.now += 5.0
+        self.assertAlmostEqual(m.load_gbps, 11.0, places=6)
+
+    def test_recover_s_zero_keeps_the_learned_rate(self):
+        clock = Clock()
+        m = model(recover_s=0.0, clock=clock, alpha=1.0)
+        m.observe_load(1_000_000, 1.0)
+        clock.now += 1e9
+        self.assertAlmostEqual(m.load_gbps, 0.001, places=9)
+
+    def test_a_negative_recover_s_is_refused_by_name(self):
+        with self.assertRaisesRegex(ValueError, "recover_s"):
+            model(recover_s=-1.0)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import pathlib
 import pickle
+import time
 import sys
 import threading
 import types
@@ -88,15 +89,18 @@ def layer_caches(torch, closers, seed, nblocks=NBLOCKS, planes=False, cuda=False
     return kv
 
 
-def worker_step(worker, meta, finished, forward=None):
+def worker_step(worker, meta, finished, forward=None, layer_work=None):
     """A worker's step in vLLM's order (the model runner's and the attention
-    layers' calls; forward(), where given, after the last layer):
-    (finished sending, load error block ids, worker meta)."""
+    layers' calls; layer_work(), where given, after each layer's load is
+    waited for: the layer's computation; forward(), where given, after the
+    last layer): (finished sending, load error block ids, worker meta)."""
     worker.handle_preemptions(meta)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     for n in NAMES:
         worker.wait_for_layer_load(n)
+        if layer_work is not None:
+            layer_work()
         worker.save_kv_layer(n, None, None)
     if forward is not None:
         forward()
@@ -497,6 +501,29 @@ class DaemonTest(unittest.TestCase):
                 self.assertEqual(c["load_jobs"], LAYERS if c["layer_loads"] else 1)
                 self.assertEqual(c.get("load_failed_keys", 0), 0)
                 self.assertGreater(sched.counters()["load_measurements"], 0)
+
+    def test_the_measured_load_time_leaves_out_the_work_between_layers(self):
+        # The split's rate is the daemon's: a worker held between layers
+        # (its forward pass, host work) must not make the mount look slow.
+        sched, worker, kv = self.pair(seed=3, load_split="all", layers_per_load=1)
+        nblk = 2 * BPC + 1  # two whole chunks and a block more
+        src = list(range(1, 1 + nblk))
+        self.save_prompt(sched, worker, Request("a", "held", nblk), src)
+        req = Request("b", "held", nblk)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (2 * CHUNK, False))
+        dst = list(range(30, 30 + nblk))
+        sched.update_state_after_alloc(req, dst, 2 * CHUNK)
+        meta = pickle.loads(pickle.dumps(sched.build_connector_meta(new_output(req, dst, 2 * CHUNK, BLOCK))))
+        hold = 0.2  # each layer's computation, seconds
+        _, errors, wm = worker_step(worker, meta, (), layer_work=lambda: time.sleep(hold))
+        self.assertEqual(errors, set())
+        c = worker.counters()
+        if not c["layer_loads"]:
+            self.skipTest("the daemon loads no layer ranges: one job, waited for at the first layer")
+        self.assertGreater(wm.nbytes, 0)
+        # The last layer's wait returned after (LAYERS - 1) holds; the
+        # daemon's jobs took a small part of that.
+        self.assertLess(wm.seconds, (LAYERS - 1) * hold / 2, wm.seconds)
 
     def test_pages_whose_dimensions_vllm_permuted_load_byte_for_byte(self):
         # vLLM's NHD layout: a block's memory is (block, heads, 2 * head), the

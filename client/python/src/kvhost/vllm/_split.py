@@ -22,12 +22,19 @@ prefill model's shape (fixed, a, b) is configured and its scale s learned
 from the forward passes the workers time (observe_compute), so that a
 GPU faster or slower than the configured one moves the split.
 
+Only loads measure the rate, and a low rate claims fewer tokens: a rate
+learned during a slow episode could stop the loads that would measure
+its end. So the learned rate drifts back to the configured one while no
+load is measured (half of the way every recover_s seconds): a split
+that stopped loading claims again, and its loads measure the rate anew.
+
 Pure Python, no I/O: the connector's scheduler calls ``CostModel.split``
 for every prompt (a few bisection steps, no loop over the prompt).
 """
 
 import math
 import threading
+import time
 
 
 class CostModel:
@@ -41,7 +48,10 @@ class CostModel:
     (1 at first), which observe_compute learns (an EWMA of measured
     forward passes, weight alpha). min_gain: a shorter prefix is claimed
     only where it saves more than this fraction of the TTFT (the tokens
-    recomputed cost the GPU's time for other requests too)."""
+    recomputed cost the GPU's time for other requests too). recover_s:
+    while no load is measured, the learned rate moves half of the way
+    back to load_gbps every recover_s seconds (0: never). clock: the
+    monotonic clock in seconds (tests pass their own)."""
 
     # A forward pass the model prices below this is not taken into the
     # scale: decode steps and small chunks cost what the model's prefill
@@ -49,19 +59,24 @@ class CostModel:
     MIN_OBSERVED_S = 0.005
 
     def __init__(self, bytes_per_token, load_gbps, load_latency_s=0.0, prefill_s_per_token=2.0e-5,
-                 prefill_s_per_token2=1.0e-9, prefill_fixed_s=0.0, min_gain=0.05, alpha=0.2):
+                 prefill_s_per_token2=1.0e-9, prefill_fixed_s=0.0, min_gain=0.05, alpha=0.2, recover_s=30.0,
+                 clock=time.monotonic):
         for name, v in (("bytes_per_token", bytes_per_token), ("load_gbps", load_gbps)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ValueError(f"kvhost.vllm: {name}: want a number > 0, got {v!r}")
         for name, v in (("load_latency_s", load_latency_s), ("prefill_s_per_token", prefill_s_per_token),
                         ("prefill_s_per_token2", prefill_s_per_token2), ("prefill_fixed_s", prefill_fixed_s),
-                        ("min_gain", min_gain)):
+                        ("min_gain", min_gain), ("recover_s", recover_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"kvhost.vllm: {name}: want a number >= 0, got {v!r}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
             raise ValueError(f"kvhost.vllm: alpha: want 0 < alpha <= 1, got {alpha!r}")
         self.bytes_per_token = float(bytes_per_token)
-        self._rate = float(load_gbps) * 1e9  # bytes per second
+        self._prior = float(load_gbps) * 1e9  # bytes per second: the configured rate
+        self._learned = self._prior  # the rate as of the last measurement
+        self.recover_s = float(recover_s)
+        self._clock = clock
+        self._measured_at = clock()
         self.load_latency_s = float(load_latency_s)
         self.a, self.b, self.fixed = float(prefill_s_per_token), float(prefill_s_per_token2), float(prefill_fixed_s)
         self.min_gain = float(min_gain)
@@ -72,17 +87,30 @@ class CostModel:
         self.compute_observed = 0  # forward passes taken into the scale
 
     @property
+    def _rate(self):
+        """The load rate in bytes per second: the learned one, moved back
+        towards the configured one for the time no load was measured."""
+        if self.recover_s <= 0 or self._learned == self._prior:
+            return self._learned
+        age = max(0.0, self._clock() - self._measured_at)
+        return self._prior + (self._learned - self._prior) * 0.5 ** (age / self.recover_s)
+
+    @property
     def load_gbps(self):
         """The load rate the split uses now, in GB/s."""
         return self._rate / 1e9
 
     def observe_load(self, nbytes, seconds):
         """Takes a measured load (nbytes moved in seconds) into the rate: an
-        EWMA of weight alpha. Measurements of nothing are ignored."""
+        EWMA of weight alpha over the rate as it stands now (recovered
+        for the time since the last measurement). Measurements of nothing
+        are ignored."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            self._rate += self.alpha * (nbytes / seconds - self._rate)
+            now = self._rate
+            self._learned = now + self.alpha * (nbytes / seconds - now)
+            self._measured_at = self._clock()
             self.observed += 1
 
     @property

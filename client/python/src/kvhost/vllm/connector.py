@@ -72,6 +72,7 @@ OPTIONS = {
     "prefill_fixed_ms": 0.0,    # prefill model: fixed cost of a step
     "split_min_gain": 0.05,     # recompute a cached token only to save more than this fraction of TTFT
     "load_rate_alpha": 0.2,     # EWMA weight of a measured load in the rate
+    "load_rate_recover_s": 30.0,  # unmeasured, the learned rate moves half way back to load_gbps per this (0: never)
     "tensor_layout": "blocks",  # "blocks": (num_blocks, ...) per layer; "planes": (2, num_blocks, ...)
     "page_layout": None,        # the workers' page byte order ("FLASH_ATTN/NHD"), where not the default's
     "page_bytes": None,         # bytes per layer and GPU block, where the config cannot say
@@ -149,7 +150,7 @@ def options(extra):
     if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb <= 0):
         raise ValueError(f"kvhost.vllm: page_bytes: want bytes per layer and GPU block (an integer > 0), got {pb!r}")
     for k in ("load_gbps", "load_latency_ms", "prefill_us_per_token", "prefill_ns_per_token2", "prefill_fixed_ms",
-              "split_min_gain", "load_rate_alpha"):
+              "split_min_gain", "load_rate_alpha", "load_rate_recover_s"):
         v, least = o[k], 0 if k != "load_gbps" else math.ulp(0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not least <= v < 1e12:
             raise ValueError(f"kvhost.vllm: {k}: want a number {'> 0' if least else '>= 0'}, got {v!r}")
@@ -176,7 +177,7 @@ def cost_model(o, bytes_per_token):
     """The split's CostModel of options o, for bytes_per_token."""
     return CostModel(bytes_per_token, o["load_gbps"], o["load_latency_ms"] / 1e3, o["prefill_us_per_token"] / 1e6,
                      o["prefill_ns_per_token2"] / 1e9, o["prefill_fixed_ms"] / 1e3, o["split_min_gain"],
-                     o["load_rate_alpha"])
+                     o["load_rate_alpha"], o["load_rate_recover_s"])
 
 
 # -- identity ------------------------------------------------------------------
@@ -860,13 +861,16 @@ class _Step:
     """The loads of one step: its number (the scheduler's), per layer
     group its daemon jobs (each with the block lists of its keys), the
     groups waited for, when they started and ended, the bytes moved."""
-    __slots__ = ("number", "jobs", "waited", "t0", "nbytes", "t_end", "layer_group", "gave_up", "lost")
+    __slots__ = ("number", "jobs", "waited", "t0", "nbytes", "t_end", "layer_group", "gave_up", "lost",
+                 "sent", "daemon_s")
 
     def __init__(self, number, layer_group):
         self.number, self.jobs, self.waited = number, {}, set()
         self.gave_up = False  # a group's wait gave up: the later groups' are not waited for either
         self.lost = 0  # bytes of the jobs given up (finish_loads)
         self.t0, self.nbytes, self.t_end = time.monotonic(), 0, None
+        self.sent = 0.0  # seconds from t0 to the last job's submission
+        self.daemon_s = 0.0  # the longest job, submission to completion, as the daemon timed it
         self.layer_group = layer_group  # layer index -> its group's index
 
 
@@ -1064,10 +1068,12 @@ class ConnectorWorker(_Half):
                 parts[-1][1].append(t)
             else:
                 parts.append((t.ns, [t]))
+        step.t0 = time.monotonic()
         for g, (first, count) in enumerate(groups):
             jobs = step.jobs[g] = []
             for name, ts in parts:
                 self._load_jobs(client, name, ts, first, count, len(groups) > 1, jobs)
+        step.sent = time.monotonic() - step.t0
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
 
@@ -1190,6 +1196,7 @@ class ConnectorWorker(_Half):
                         self._lost_locked(job._client, reason(e))
                 continue
             step.nbytes += r.bytes
+            step.daemon_s = max(step.daemon_s, r.duration_ns / 1e9)
             failed = [b for (o, _), b in zip(r.keys, blocks) if o != p.OUTCOME_LOADED]
             failed += blocks[len(r.keys):]
             if failed:
@@ -1218,10 +1225,18 @@ class ConnectorWorker(_Half):
             self._measured[1] += time.monotonic() - step.t0
             self._stats["bytes_loaded"] += step.nbytes
         elif step.nbytes and step.t_end is not None:
+            # The daemon's time for the step's jobs (the last one ended no
+            # later than its submission plus the longest job), not the
+            # time to the last layer's wait: that includes whatever held
+            # the worker between layers, and a rate measured through it
+            # drifts low with a healthy daemon.
+            seconds = step.t_end - step.t0
+            if step.daemon_s > 0:
+                seconds = min(seconds, step.sent + step.daemon_s)
             self._measured[0] += step.nbytes
-            self._measured[1] += step.t_end - step.t0
+            self._measured[1] += seconds
             self._stats["bytes_loaded"] += step.nbytes
-            self._stats["load_seconds"] += step.t_end - step.t0
+            self._stats["load_seconds"] += seconds
         self._done_steps.append(step.number)
         self._step = None
 
