@@ -10,6 +10,15 @@ projection, RMSNorm and a SwiGLU MLP; then a final RMSNorm and a head over
 a small vocabulary (the head's cost is one matrix-vector product for the
 last token: its size does not move TTFT).
 
+The kernels are what a serving engine runs, so that a recomputation is
+not slower than a real one: RMSNorm is torch's fused rms_norm (torch 2.4
+and later; spelled out in fp32 before, as Model.norm_kind says), RoPE is
+applied in bf16 with cos and sin cast to bf16, as Hugging Face's Llama
+applies it. What remains apart from vLLM: attention reads the request's
+K/V gathered out of the paged cache (vLLM's FlashAttention reads the
+pages in place), the QKV and gate/up matrices are plain matmuls (no
+CUDA graphs, no torch.compile).
+
 The cache is one allocation of (layers, 2, num_blocks, block_tokens,
 kv_heads, head_dim): cache[l] is layer l's (2, num_blocks, block_tokens,
 kv_heads, head_dim) tensor (K and V planes), as vLLM's FlashAttention
@@ -147,6 +156,8 @@ class Model:
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         self.inv_freq = inv.to(self.device)
         self.attention = Attention(self.device)
+        self._fused_norm = getattr(F, "rms_norm", None)
+        self.norm_kind = "torch rms_norm (fused)" if self._fused_norm else "fp32 spelled out (torch < 2.4)"
 
     def new_cache(self, num_blocks, alloc=None):
         """A zeroed cache of (layers, 2, num_blocks, block_tokens, kv_heads,
@@ -161,13 +172,17 @@ class Model:
         return torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
 
     def _rms(self, x, w):
+        if self._fused_norm is not None:
+            return self._fused_norm(x, (x.shape[-1],), w, self.cfg.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.eps)).to(x.dtype) * w
 
-    def _rope(self, x, cos, sin):
+    @staticmethod
+    def _rope(x, cos, sin):
+        """Rotates x's halves by the angles (cos and sin in x's dtype)."""
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, tokens, start, cache, table, before_attention=None, after_attention=None):
         """Computes tokens (a 1-D LongTensor on the model's device) at
@@ -184,7 +199,8 @@ class Model:
         end = start + n
         pos = torch.arange(start, end, device=self.device)
         ang = pos[:, None].float() * self.inv_freq[None, :]
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        dt = self.embed.dtype
+        cos, sin = ang.cos()[:, None, :].to(dt), ang.sin()[:, None, :].to(dt)
         blocks, rows = table[pos // c.block_tokens], pos % c.block_tokens
         used = table[:(end + c.block_tokens - 1) // c.block_tokens]
         qd, kvd = c.heads * c.head_dim, c.kv_heads * c.head_dim

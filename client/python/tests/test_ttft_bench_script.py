@@ -27,7 +27,7 @@ LINE = re.compile(r"ttft P (\d+) S (\d+) mode (\w+) ms (\d+\.\d) best (\d+\.\d) 
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "16", "--mlp", "128", "--vocab", "128", "--sizes", "64", "--suffix", "16",
         "--tokens-per-key", "32", "--reps", "2", "--layers-per-load", "1"]
-CPU_MODES = ["recompute", "suffix", "half", "whole", "layerwise", "split"]
+CPU_MODES = ["recompute", "suffix", "half", "bound", "whole", "layerwise", "split"]
 
 
 @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
@@ -81,13 +81,27 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(look["claimed_tokens"], 64)
         self.assertEqual(look["process"], "own")  # apart from the loads' process, as vLLM's scheduler is
         self.assertEqual(look["idle"]["n"], 2000)
-        self.assertGreaterEqual(look["beside_loads"]["n"], 1)
-        self.assertEqual(look["idle_spaced"]["n"], 500)  # a quarter of the back-to-back calls, 200 us apart
+        self.assertGreaterEqual(look["beside_loads"]["n"], 2000)  # more requests run until there are as many
+        self.assertEqual(look["idle_spaced"]["n"], 2000)  # 200 us apart
         self.assertLessEqual(look["idle"]["p50_us"], look["idle"]["p99_us"])
         self.assertRegex(out.stdout, r"lookup P 64 tokens 64 idle p50_us [\d.]+ p99_us [\d.]+ n 2000 beside_loads ")
         self.assertEqual(data["machine"]["device"], "cpu")
         self.assertIn("fs_type", data["machine"]["mount"])
-        self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+")
+        self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+ "
+                                     r"modelled_optimum/recompute \d+\.\d\d at_tokens (0|32|64)")
+        model = size["split_model"]  # the split's own model at this run's rates
+        self.assertIn(model["optimum_tokens"], (0, 32, 64))
+        self.assertGreater(model["optimum_ms"], 0)
+        # The bound mode: the prefix's K/V copied in per layer, no daemon,
+        # every block equal to the recomputation's; each load mode is
+        # reported against it, repetition by repetition.
+        self.assertEqual(size["modes"]["bound"]["loaded_tokens"], 64)
+        for mode in ("whole", "layerwise", "split"):
+            self.assertIn(f"{mode}/bound", size["ratios"])
+            self.assertEqual(len(size["ratios"][f"{mode}/bound_reps"]), 2)
+        self.assertRegex(out.stdout, r"bound P 64 S 16 layerwise/bound \d+\.\d\d \(reps [\d.]+-[\d.]+\) bound_ms ")
+        self.assertEqual(data["machine"]["rope"], "bf16 (cos and sin cast to bf16)")
+        self.assertIn("rms_norm", data["machine"])
 
     def test_llmd_mode_loads_the_prefix_through_the_engine_it_is_given(self):
         with tempfile.TemporaryDirectory() as mod:
