@@ -126,6 +126,9 @@ def parse_args(argv=None):
                          "loads (0: none)")
     ap.add_argument("--io-workers", type=int, default=0,
                     help="the started daemon's engine.io_workers: files in flight (0: its default, the CPUs)")
+    ap.add_argument("--register-files", type=int, default=None,
+                    help="the daemon's gpu.register_files (0: no file registered with CUDA, as after a restart "
+                         "or for another engine's files; default: the daemon's)")
     ap.add_argument("--capacity", help="the mount's capacity in the daemon's configuration (default: four "
                     "times the prefixes' K/V bytes)")
     ap.add_argument("--sizes", default="2048,8192,32256", help="prefix sizes P in tokens, comma-separated")
@@ -926,7 +929,8 @@ def main(argv=None):
         os.makedirs(a.dir, exist_ok=True)
         # Room for the prefixes twice (the client's keys and the connector's), and as much again.
         daemon = Daemon(capacity=a.capacity or f"{(4 * kv >> 20) + 64}MiB", dir=os.path.abspath(a.dir),
-                        extra_toml=f"[engine]\nio_workers = {a.io_workers}\n" if a.io_workers else "")
+                        extra_toml=(f"[engine]\nio_workers = {a.io_workers}\n" if a.io_workers else "") +
+                        (f"[gpu]\nregister_files = {a.register_files}\n" if a.register_files is not None else ""))
     try:
         with kvhost.Client(daemon.socket if daemon else a.socket, name="ttft-bench", timeout=a.job_timeout) as c:
             bench = Bench(a, c, daemon.socket if daemon else a.socket)
