@@ -305,6 +305,10 @@ type Config struct {
 	// region.KindHost to replace the CPU staging pipeline. Without an entry
 	// for a kind, caches in that kind of memory are refused.
 	Movers map[region.Kind]MoverFactory
+	// Objects is the object mount behind the file mounts (objects.go),
+	// or nil for none: keys no file holds are loaded from it, and every
+	// one-key file a store publishes is told to it.
+	Objects Objects
 	// Observer, if set, is told about every finished job (metrics).
 	Observer Observer
 	// FS is the file system (default fsys.OS); tests inject faults here.

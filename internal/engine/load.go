@@ -52,6 +52,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	byEntry := map[*entry][]int{}
 	var order []*entry
 	var pins []abi.AccessRecord
+	var objs []int // request indices of keys read from the object mount
 	dup := func(en *entry) bool { _, ok := byEntry[en]; return ok }
 	for i, k := range keys {
 		// The index's entry is found and pinned in one hold of the lock
@@ -61,6 +62,10 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			if en = e.shared.discover(ctx, ns, k); en != nil {
 				en, pinned = e.ix.PinFound(en, k, dup, e.cfg.Now().UnixNano(), &pins)
 			}
+		}
+		if !pinned && en == nil && e.hasObject(ns, k) {
+			objs = append(objs, i) // in the object mount (objects.go)
+			continue
 		}
 		if !pinned {
 			e.st.misses.Add(1)
@@ -77,20 +82,28 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	// The cache's earlier loads take their file slots first (loadOrder).
 	turn.wait(ctx)
 	var wg sync.WaitGroup
-	for _, en := range order {
-		idx := byEntry[en]
+	// withSlot runs fn with a file slot, on a goroutine of its own, or
+	// fails the keys idx where ctx ends first.
+	withSlot := func(idx []int, fn func()) {
 		if err := e.mv.slots.acquire(ctx); err != nil {
 			for _, i := range idx {
 				set(i, OutcomeFailed, err)
 			}
-			continue
+			return
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer e.releaseSlot()
-			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx)
+			fn()
 		}()
+	}
+	for _, en := range order {
+		idx := byEntry[en]
+		withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx) })
+	}
+	for _, i := range objs {
+		withSlot([]int{i}, func() { e.loadObject(ctx, j, c, keys, blocks, lr, i) })
 	}
 	turn.done() // every file has its slot: the cache's next load may take slots
 	wg.Wait()

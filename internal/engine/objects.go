@@ -1,0 +1,178 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/region"
+)
+
+// Objects is an object mount behind the file mounts (Config.Objects;
+// package objstore): one object per key, in the file format, shared by
+// every node of a bucket and kept across restarts and node replacement.
+// The engine loads a key from it where no file of its mounts holds the
+// key, straight into the cache's blocks through the CPU path (each read of
+// the file it opens is a ranged request), verified as a file's load is;
+// and it tells it of every one-key file it publishes, which the store may
+// copy in the background. Its methods may be called from many goroutines
+// at once.
+type Objects interface {
+	// Has reports whether the store is known to hold key of the namespace
+	// of fingerprint fp, from what it keeps in memory: no request.
+	Has(fp uint64, key []byte) bool
+	// Open opens key's object for reading. Its reads are requests bounded
+	// by ctx and by the store's own timeouts; a read of an object the
+	// store lacks fails with an error matching fs.ErrNotExist.
+	Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error)
+	// Published tells the store of the file at path that the engine has
+	// just published, holding key alone, of namespace fp. It must not
+	// block on the store.
+	Published(fp uint64, key []byte, path string)
+	// Bad tells the store that its object of key failed the load's
+	// checks (err says how): it forgets, and may remove, the object.
+	Bad(fp uint64, key []byte, err error)
+}
+
+// objectHeaderRead is the first read of an object's header: the header
+// area of a file of up to 55 keys, which a one-key object always is.
+const objectHeaderRead = 4096
+
+// hasObject reports whether the object mount holds key of ns (from
+// memory: Objects.Has); false without an object mount.
+func (e *Engine) hasObject(ns *namespace, key []byte) bool {
+	return e.cfg.Objects != nil && ns.layout == nil && e.cfg.Objects.Has(ns.fp, key)
+}
+
+// publishedObject tells the object mount of a file a store published.
+func (e *Engine) publishedObject(h *format.Header, path string) {
+	if e.cfg.Objects != nil && len(h.Keys) == 1 && !h.Raw {
+		e.cfg.Objects.Published(h.Fingerprint, h.Keys[0].Key, path)
+	}
+}
+
+// loadObject loads the layers lr of key i of the request from the object
+// mount into its blocks, verifying the object's header and checksums as
+// a file's, and sets its outcome.
+func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, i int) {
+	set := func(o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+	obj, fp, key := e.cfg.Objects, c.ns.fp, keys[i]
+	bad := func(err error) {
+		e.st.corrupt.Add(1)
+		e.cfg.Logger.Warn("engine: corrupt object", "key", fmt.Sprintf("%x", key), "err", err)
+		obj.Bad(fp, key, err)
+		set(OutcomeFailed, err)
+	}
+	if c.kind != region.KindHost {
+		set(OutcomeFailed, fmt.Errorf("%w: key %x: the object mount serves host memory only, not %s", ErrInvalid, key, c.kind))
+		return
+	}
+	f, err := obj.Open(ctx, fp, key)
+	if err != nil {
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	defer f.Close()
+	h, err := readObjectHeader(f)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		e.st.misses.Add(1)
+		set(OutcomeMissing, fmt.Errorf("%w: key %x: %w", ErrNotFound, key, err))
+		return
+	case errors.Is(err, ErrCorrupt):
+		bad(fmt.Errorf("object of key %x: %w", key, err))
+		return
+	case err != nil:
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	k, err := h.Match(fp, key)
+	if err != nil {
+		bad(fmt.Errorf("%w: object of key %x holds another: %w", ErrCorrupt, key, err))
+		return
+	}
+	if g := c.ns.geo; int(h.Layers) != g.Layers || int(h.Planes) != g.Planes() || int(h.BlocksPerKey) != g.BlocksPerKey() || int64(h.BlockBytes) != g.BlockBytes() {
+		bad(fmt.Errorf("%w: object of key %x: its geometry (%d layers, %d planes, %d blocks of %d bytes) is not its namespace's", ErrCorrupt, key, h.Layers, h.Planes, h.BlocksPerKey, h.BlockBytes))
+		return
+	}
+	if h.Flags&format.FlagPayloadSums == 0 {
+		bad(fmt.Errorf("%w: object of key %x has no payload checksums, and objects are verified on every load", ErrCorrupt, key))
+		return
+	}
+	want := make([]bool, len(h.Keys))
+	want[k] = true
+	by := verifyKeys
+	if !lr.all() && h.LayerSums != nil {
+		by = verifyLayers
+	}
+	plan, sk := c.plan(h, want, func(int) []int { return blocks[i] }, &mount{}, lr, by)
+	sums := make([]uint32, plan.Sums)
+	io := e.busy.io.Begin()
+	_, err = e.mv.host.For(false).ReadFile(ctx, f, plan, sums)
+	if err == nil {
+		err = sk.read(ctx, f, sums)
+	}
+	e.busy.io.End(io)
+	if isShort(err) {
+		bad(fmt.Errorf("%w: object of key %x: %w", ErrCorrupt, key, err))
+		return
+	}
+	if err != nil {
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	if layer, got, wantSum, mis := sk.mismatch(h, k, sums); mis {
+		// The blocks are the client's: only a private re-read tells a
+		// corrupt object from blocks changed under the load.
+		private, err := recheck(ctx, f, h, want)
+		switch {
+		case err != nil:
+			set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: checksum 0x%08x (layer %d), want 0x%08x; re-reading: %w", key, got, layer, wantSum, err))
+		case private[k] != h.Keys[k].Sum:
+			bad(fmt.Errorf("%w: object of key %x: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, key, private[k], h.Keys[k].Sum))
+		default:
+			set(OutcomeFailed, fmt.Errorf("%w: object of key %x", ErrDestinationChanged, key))
+		}
+		return
+	}
+	set(OutcomeLoaded, nil)
+	if lr.First == 0 {
+		e.st.hits.Add(1)
+	}
+	e.st.loads.Add(1)
+	e.st.read.Add(uint64(sk.moved[k] + sk.skipped[k]))
+	j.bytes.Add(sk.moved[k])
+}
+
+// readObjectHeader reads and decodes the header of an object open as f:
+// an error of the read as it is, one of the header wrapping ErrCorrupt.
+func readObjectHeader(f fsys.File) (*format.Header, error) {
+	b := make([]byte, objectHeaderRead)
+	n, err := f.ReadAt(b, 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, err
+	}
+	b = b[:n]
+	hl, err := format.Peek(b)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	if hl > len(b) {
+		b = make([]byte, hl)
+		if _, err := f.ReadAt(b, 0); err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil, fmt.Errorf("%w: a header of %d bytes, the object shorter", ErrCorrupt, hl)
+			}
+			return nil, err
+		}
+	}
+	h, err := format.Decode(b)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	return h, nil
+}
