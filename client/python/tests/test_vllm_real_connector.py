@@ -76,8 +76,10 @@ def vllm_config(socket, tp=1, rank=0, dcp=1, interleave=1, cache_dtype="auto", v
                            decode_context_parallel_size=dcp, cp_kv_cache_interleave_size=interleave,
                            world_size=tp, rank=rank, data_parallel_index=0, data_parallel_size=1,
                            data_parallel_rank_local=None, distributed_executor_backend="mp", nnodes_within_dp=1),
+        # prefix_cache_retention_interval: read by the offloading
+        # scheduler's store filter from 8ab97ed6 on; 0 is vLLM's default.
         cache_config=NS(block_size=BLOCK, cache_dtype=cache_dtype, enable_prefix_caching=True,
-                        prefix_match_unit=None),
+                        prefix_match_unit=None, prefix_cache_retention_interval=0),
         model_config=NS(model=MODEL, dtype=torch.bfloat16, use_mla=False,
                         get_total_num_kv_heads=lambda: HEADS * tp),
         kv_events_config=None, use_v2_model_runner=v2)

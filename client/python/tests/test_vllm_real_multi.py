@@ -58,7 +58,8 @@ def cpu_child(cpu_bytes):
 class Request:
     """What vLLM's offloading scheduler reads of vllm.v1.request.Request (the
     real one needs sampling parameters and multimodal inputs): the id, the
-    prompt's block hashes (one per BLOCK tokens), token counts and status."""
+    prompt's block hashes (one per BLOCK tokens), token counts, status and
+    shared_prefix_boundary."""
 
     def __init__(self, api, req_id, prompt_hashes, status_cls):
         self.request_id = req_id
@@ -73,6 +74,9 @@ class Request:
         self.mm_features = []
         self.sampling_params = self.pooling_params = self.lora_request = None
         self.all_token_ids = self.prompt_token_ids
+        # Read by the offloading scheduler's store filter from 8ab97ed6 on
+        # (0: no shared prefix detected, vLLM's value at admission).
+        self.shared_prefix_boundary = 0
 
     def is_finished(self):
         return self._status_cls.is_finished(self.status)

@@ -160,6 +160,10 @@ class _HostOnlyPlatform:
     def device_count(self):
         return 0
 
+    def register_custom_kv_cache_specs(self, vllm_config):
+        """A platform's own KV-cache specs (8ab97ed6 on): the host has none."""
+        return None
+
     def __getattr__(self, name):
         raise AttributeError(
             f"vllm_tree host-only platform shim has no {name!r}: the code "
@@ -229,6 +233,10 @@ def _make_shims(src: str, tree_name: str):
         m.__path__ = [os.path.join(src, "vllm", "config")]
         m.__getattr__ = _lazy_attrs("vllm.config", {
             "KVTransferConfig": "vllm.config.kv_transfer"})
+        # The KV-cache spec registry asks for the current config before it
+        # registers vLLM's managers (8ab97ed6 on): outside an engine there
+        # is none.
+        m.get_current_vllm_config_or_none = lambda: None
         return m
 
     def shm_broadcast():
@@ -423,7 +431,19 @@ def _make_shims(src: str, tree_name: str):
             "yield_req_data: that function's own source, read from the "
             "tree's file and run here.", **defs)
 
+    def block_pool():
+        return _shim_module(
+            "vllm.v1.core.block_pool",
+            "imports the KV-cache metrics, which import CUDA-graph capture "
+            "(vllm.compilation: the engine configuration's CompilationMode, "
+            "NCCL allocators). The single-type KV-cache managers, whose "
+            "reachable_block_mask the offloading scheduler's store filter "
+            "calls from 8ab97ed6 on, only name BlockPool in annotations "
+            "and constructors; a placeholder stands in.",
+            BlockPool=type("BlockPool", (_NotInShim,), {}))
+
     shims = {
+        "vllm.v1.core.block_pool": block_pool,
         "vllm.distributed.parallel_state": parallel_state,
         "vllm._version": version,
         "vllm.env_override": env_override,
