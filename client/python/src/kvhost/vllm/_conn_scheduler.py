@@ -1,0 +1,510 @@
+"""KvhostConnector's scheduler half: lookups through the daemon's shared
+lookup table, the load-or-recompute split, pins of the keys to load, and
+each step's ConnectorMetadata (docs/vllm.md, "The KV connector")."""
+
+import collections
+import logging
+import threading
+import time
+
+from .. import protocol as p
+from ..client import ConnectionLost, KvhostError
+from . import _namespace as ns_
+from . import spec_compat as sc
+from ._common import (DaemonAbsent, absent_if_late, absent_if_stopping, daemon_key, daemon_state, lost_connection,
+                      open_client, reason, setup_timeout)
+from ._conn_common import (_MAX_NAMESPACES, WORK_STEPS, ConnectorMetadata, Transfer, WorkerMeta, _Half, cost_model,
+                           geometry)
+from ._removals import ConnectorRemovals, kv_event_api, parse_media
+
+log = logging.getLogger("vllm.kvhost")
+
+
+class _ReqState:
+    """The scheduler's record of one request: its keys so far, its block
+    ids, the lookup's answer, what it claimed, and its saves."""
+    __slots__ = ("req", "keys", "digests", "blocks", "computed", "hit", "claimed", "next_save", "saved", "loaded",
+                 "ns")
+
+    def __init__(self, req, ns=None):
+        self.req, self.keys, self.blocks = req, [], []
+        self.ns = ns            # the salt_namespaces name of its cache_salt (None: the engine's namespace)
+        self.digests = {}       # ns -> (client, the keys' key_digests so far): hashed once per key
+        self.computed = self.hit = self.claimed = 0
+        self.next_save = 0      # the first chunk not yet stored nor known stored
+        self.saved = False      # a save of it went to the workers (request_finished delays the free)
+        self.loaded = False     # a load of it went to the workers (request_finished delays the free)
+
+
+class ConnectorScheduler(_Half):
+    """The scheduler half: lookups through the shared lookup table, the
+    split, pins of the keys to load, and each step's metadata."""
+
+    def __init__(self, config, ident, opts):
+        self._opts = o = opts
+        self._ident = ident
+        self._what = "connector scheduler"
+        self._bpc = sc.chunk_blocks(ident)
+        grp = sc.groups(ident)[0]
+        self._tpb = grp["tokens_per_block"]
+        self._chunk = self._bpc * self._tpb
+        self._tph = ns_.count(config, "cache.tokens_per_hash", "tokens per hash")
+        self._hpc = self._chunk // self._tph
+        self._tp = sc.shards(config)
+        layers = len(grp["layer_names"])
+        self.cost = cost_model(o, ident["page_bytes"] * layers / self._tpb)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._reqs = {}
+        self._loads = {}                       # req id -> Transfer, for the next build_connector_meta
+        self._pins = {}                        # step -> (when, the pin ids its loads hold)
+        self._step_pins = []
+        self._steps = 0                        # steps built
+        self._work = {}                        # step -> its requests' (total, cached) tokens, for the prefill model
+        self._stats = collections.Counter()
+        self._broken, self._closing, self._reconnectors = None, False, []
+        # A request made in vLLM's call that the daemon left unanswered for
+        # daemon_wait_s (frozen, stuck) stops every later one until a probe
+        # thread finds it answering (_timed_out); unpins wait for that.
+        self._unanswered, self._unpin_later = False, []
+        self.namespaces = [geometry(ident, r).model for r in range(self._tp)]
+        self._salts = o["salt_namespaces"]
+        # The namespaces' names: None (the engine's) and each salt's name.
+        self._ns_names = [None] + sorted(set(self._salts.values()))
+        if len(self._ns_names) * self._tp > _MAX_NAMESPACES:
+            raise ValueError(f"kvhost.vllm: salt_namespaces: {len(self._ns_names) - 1} names and the engine's own "
+                             f"namespace, each at {self._tp} ranks, are more than the {_MAX_NAMESPACES} namespaces "
+                             f"a connection may declare")
+        try:
+            self._client, self._ns = self._open()
+        except DaemonAbsent as e:
+            if o["reconnect_s"] <= 0:
+                raise
+            self._client, self._ns = None, None
+            self._start_unconnected(reason(e.__cause__))
+        # BlockStored of the chunks its saves stored, and BlockRemoved of
+        # those the daemon drops, from a connection of their own, where
+        # vLLM's KV events are on (docs/routers.md). A chunk is held where
+        # every rank's namespace of its salt name holds it.
+        events, api = bool(getattr(config, "enable_kv_cache_events", False)), None
+        if events:
+            try:
+                api = kv_event_api()
+            except ImportError as e:  # a vLLM without them: nothing to report with
+                events = False
+                log.warning("kvhost connector: vLLM's KV-event classes do not import (%s): no KV events", e)
+        where = [(i, r) for i in range(len(self._ns_names)) for r in range(self._tp)]
+        self._removals = ConnectorRemovals(
+            api, o["socket"], [geometry(ident, r, self._ns_names[i]) for i, r in where],
+            groups=[i for i, _ in where], medium=getattr(api, "medium", "STORAGE"),
+            media=parse_media(o["mount_media"]), events=events, name=o["client_name"] + "-removals",
+            max_tracked=o["max_tracked_keys"], reconnect_s=o["reconnect_s"], timeout=setup_timeout(o),
+            what="connector removals")
+
+    def _open(self):
+        o = self._opts
+        # The handshake and the declarations wait daemon_wait_s at most (a
+        # start runs in vLLM's call), later requests request_timeout_s.
+        client = open_client(o["socket"], o["client_name"], setup_timeout(o),
+                             " (set the connector option \"socket\" or KVHOST_SOCKET)")
+        try:
+            nss = {}  # salt name (None: the engine's) -> its namespace at each rank
+            for name in self._ns_names:
+                nss[name] = []
+                for r in range(self._tp):
+                    geo = geometry(self._ident, r, name)
+                    nss[name].append(client.declare(geo))
+                    ns_.check_served(nss[name][-1].fingerprint, geo)
+            # Every request of the scheduler's is made in a vLLM call
+            # (lookups, pins, unpins): none waits past daemon_wait_s.
+        except BaseException as e:
+            client.close()
+            absent_if_stopping(e, o["socket"])
+            absent_if_late(e, o["socket"])
+            raise
+        return client, nss
+
+    def _swap_locked(self, new):
+        self._client, self._ns = new
+
+    def _on_lost_locked(self):
+        """The pins ended with the connection: their ids are never sent to
+        the next one (where they may name pins of its own)."""
+        self._pins.clear()
+        self._step_pins = []
+        self._unpin_later = []
+
+    def _ask(self):
+        """The connection for a request made in a vLLM call: None where
+        none is usable, or while the daemon leaves one unanswered."""
+        return None if self._unanswered else self._usable()
+
+    def _timed_out(self, client, e):
+        """A request in vLLM's call waited daemon_wait_s unanswered: no
+        other is made until a thread finds the daemon answering (asking
+        every reconnect_s, or every second where that is 0), so that each
+        call of vLLM's waits for a frozen daemon once at most; meanwhile
+        nothing is claimed or pinned, and unpins wait."""
+        with self._cv:
+            if self._unanswered or self._closing or client is not self._client:
+                return
+            self._unanswered = True
+            self._stats["daemon_timeouts"] += 1
+        log.warning("kvhost connector scheduler: the daemon did not answer within %gs (%s; %s): claiming and "
+                    "pinning nothing until it answers", self._opts["daemon_wait_s"], e, daemon_state(client))
+        threading.Thread(target=self._probe, args=(client,), name="kvhost-connector-probe", daemon=True).start()
+
+    def _probe(self, client):
+        every = self._opts["reconnect_s"] or 1.0
+        while True:
+            with self._cv:
+                deadline = time.monotonic() + every
+                while not self._closing and (left := deadline - time.monotonic()) > 0:
+                    self._cv.wait(left)
+                if self._closing or client is not self._client:
+                    break
+            try:
+                client.unpin(0)  # pin 0 is none: any answer will do
+            except TimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - an answer (a refusal), or a lost connection (Reconnects takes it)
+                pass
+            break
+        with self._cv:
+            self._unanswered = False
+            later, self._unpin_later = self._unpin_later, []
+        if not self._closing:
+            log.info("kvhost connector scheduler: the daemon answers again")
+            self._unpin(later)
+
+    # -- lookups ---------------------------------------------------------------
+
+    def _keys(self, st):
+        """The request's keys so far: one per whole chunk of its block
+        hashes (vLLM's offload key of the chunk's last hash, group 0),
+        as the daemon names them. Grown as the request's hashes grow."""
+        hashes = st.req.block_hashes
+        n = len(hashes) // self._hpc
+        keys = st.keys
+        if len(keys) < n:
+            tail = (0).to_bytes(4, "big")
+            for i in range(len(keys), n):
+                keys.append(daemon_key(bytes(hashes[(i + 1) * self._hpc - 1]) + tail))
+        return keys
+
+    def _state(self, request):
+        st = self._reqs.get(request.request_id)
+        if st is None or st.req is not request:
+            salt = getattr(request, "cache_salt", None)
+            st = self._reqs[request.request_id] = _ReqState(request, self._salts.get(salt) if salt else None)
+        return st
+
+    def hit_tokens(self, request, computed):
+        """The end of the contiguous cached prefix from computed on (in
+        tokens, chunk-aligned; computed where nothing beyond it is cached),
+        found in the daemon's shared lookup table (the daemon is asked
+        where the table cannot answer)."""
+        st = self._state(request)
+        keys = self._keys(st)
+        total = getattr(request, "num_prompt_tokens", None) or request.num_tokens
+        last = min(len(keys), (total - 1) // self._chunk)  # vLLM computes at least one token
+        first = computed // self._chunk
+        if last <= first:
+            return computed
+        client, nss = self._ask(), self._ns
+        if client is None:
+            return computed
+        nss = nss[st.ns]
+        try:
+            n = last - first
+            for ns in nss:  # every rank must hold a key
+                n = min(n, self._leading(client, ns, keys, first, n, self._digests(st, client, ns, keys)))
+        except (KvhostError, ConnectionLost, OSError, ValueError) as e:
+            self._stats["lookup_errors"] += 1
+            if isinstance(e, TimeoutError):
+                self._timed_out(client, e)
+            elif lost_connection(e, client):
+                with self._cv:
+                    self._lost_locked(client, reason(e))
+            else:
+                log.warning("kvhost connector: lookup: %s", e)
+            return computed
+        return max(computed, (first + n) * self._chunk)
+
+    @staticmethod
+    def _digests(st, client, ns, keys):
+        """The request's keys' places in the lookup table (key_digests),
+        made once per key and grown with its keys, for this connection;
+        None where the client cannot read the table."""
+        d = st.digests.get(ns)
+        if d is None or d[0] is not client:
+            d = st.digests[ns] = (client, bytearray())
+        have = len(d[1]) // 16
+        if have < len(keys):
+            more = client.key_digests(ns, keys[have:])
+            if more is None:
+                return None
+            d[1].extend(more)
+        return d[1]
+
+    @staticmethod
+    def _leading(client, ns, keys, first, n, digests=None):
+        """How many of keys[first:first + n] ns holds in a row, asked in
+        requests of at most MAX_KEYS_PER_REQUEST keys (probed by their
+        digests where there are)."""
+        held = 0
+        while held < n:
+            want = min(n - held, p.MAX_KEYS_PER_REQUEST)
+            a, b = first + held, first + held + want
+            if digests is not None:
+                got = client.lookup_digests(ns, keys[a:b], digests[16 * a:16 * b])
+            else:
+                got = client.lookup(ns, keys[a:b])
+            held += got
+            if got < want:
+                break
+        return held
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        """(K - num_computed_tokens, False): K, the tokens cached after this
+        step's load, is the split's choice within the hit prefix (all of it
+        with load_split "all", none with "off"). Loads run within the step,
+        layer by layer: never asynchronous."""
+        self._stats["lookups"] += 1
+        if self._opts["load_split"] == "off" or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        st = self._state(request)
+        hit = self.hit_tokens(request, num_computed_tokens)
+        total = getattr(request, "num_prompt_tokens", None) or request.num_tokens
+        if hit <= num_computed_tokens:
+            k = num_computed_tokens
+        elif self._opts["load_split"] == "all":
+            k = hit
+        else:
+            k = self.cost.split(total, num_computed_tokens, hit, self._chunk)
+        st.computed, st.hit, st.claimed = num_computed_tokens, hit, k
+        if hit > num_computed_tokens:
+            self._stats["hit_tokens"] += hit - num_computed_tokens
+            self._stats["claimed_tokens"] += k - num_computed_tokens
+        return k - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        """Records the blocks the claimed keys load into, and pins the keys
+        in every rank's namespace so that no eviction comes before the
+        workers' load (released once the step's output is back)."""
+        st = self._state(request)
+        ids = _block_ids(blocks)
+        if ids is not None:
+            st.blocks = list(ids)
+        # The chunks found stored, and those in vLLM's GPU prefix cache
+        # (computed, and saved, by an earlier request), are not saved again.
+        st.next_save = max(st.next_save, st.hit // self._chunk, st.computed // self._chunk)
+        if num_external_tokens <= 0:
+            return
+        start = st.computed
+        end = start + num_external_tokens
+        first, last = start // self._chunk, end // self._chunk
+        keys = self._keys(st)[first:last]
+        per = []
+        skip = start // self._tpb  # blocks already on the GPU
+        for i in range(first, last):
+            slots = st.blocks[i * self._bpc:(i + 1) * self._bpc]
+            per.append([p.NO_BLOCK if i * self._bpc + j < skip else b for j, b in enumerate(slots)])
+        if any(len(b) != self._bpc for b in per):
+            log.warning("kvhost connector: request %s: %d blocks for %d keys of %d blocks; loading none",
+                        request.request_id, len(st.blocks), len(keys), self._bpc)
+            per, keys = [], []
+        if keys:
+            self._loads[request.request_id] = Transfer(request.request_id, keys, per, st.ns)
+            self._pin(keys, st.ns)
+
+    def _pin(self, keys, name=None):
+        client, nss = self._ask(), self._ns
+        if client is None:
+            return
+        nss = nss[name]
+        try:
+            for ns in nss:
+                for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
+                    pin_id, ok = client.pin(ns, keys[i:i + p.MAX_KEYS_PER_REQUEST], self._opts["pin_lease_s"])
+                    if pin_id:
+                        self._step_pins.append(pin_id)
+                    self._stats["pin_missed_keys"] += sum(1 for h in ok if not h)
+        except Exception as e:  # the load finds out: its blocks are recomputed
+            self._stats["pin_errors"] += 1
+            log.debug("kvhost connector: pin: %s", e)
+            if isinstance(e, TimeoutError):
+                self._timed_out(client, e)
+
+    def build_connector_meta(self, scheduler_output):
+        """The step's ConnectorMetadata: the loads update_state_after_alloc
+        recorded, and the chunks of prompts this step completes (whole
+        chunks, not yet stored nor found stored) to save."""
+        saves = []
+        sched = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        for nr in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.blocks = list(nr.block_ids[0])
+            self._save(st, nr.num_computed_tokens + sched.get(nr.req_id, 0), saves)
+        cr = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cr is not None:
+            resumed = getattr(cr, "resumed_req_ids", set()) or set()
+            for i, rid in enumerate(cr.req_ids):
+                st = self._reqs.get(rid)
+                if st is None:
+                    continue
+                new = cr.new_block_ids[i]
+                if new is not None:
+                    st.blocks = list(new[0]) if rid in resumed else st.blocks + list(new[0])
+                self._save(st, cr.num_computed_tokens[i] + sched.get(rid, 0), saves)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or set()
+        self._steps += 1
+        self._note_work(scheduler_output, sched)
+        meta = ConnectorMetadata(list(self._loads.values()), saves, preempted, self._steps)
+        for t in meta.loads:
+            st = self._reqs.get(t.req_id)
+            if st is not None and t.keys:
+                st.loaded = True
+        self._stats["load_keys"] += sum(len(t.keys) for t in meta.loads)
+        self._stats["save_keys"] += sum(len(t.keys) for t in saves)
+        self._loads = {}
+        if self._step_pins:
+            self._pins[self._steps] = (time.monotonic(), self._step_pins)
+            self._step_pins = []
+        return meta
+
+    def _note_work(self, out, sched):
+        """Keeps what the step computes, each request's (total, cached)
+        tokens, until a worker reports how long the step's forward pass
+        took (steps with loads are not timed; at most WORK_STEPS kept)."""
+        work = []
+        for nr in getattr(out, "scheduled_new_reqs", ()) or ():
+            n = sched.get(nr.req_id, 0)
+            work.append((nr.num_computed_tokens + n, nr.num_computed_tokens))
+        cr = getattr(out, "scheduled_cached_reqs", None)
+        if cr is not None:
+            for i, rid in enumerate(cr.req_ids):
+                c = cr.num_computed_tokens[i]
+                work.append((c + sched.get(rid, 0), c))
+        if work:
+            self._work[self._steps] = work
+            while len(self._work) > WORK_STEPS:
+                del self._work[next(iter(self._work))]
+
+    def _save(self, st, done, saves):
+        """Adds st's chunks that are whole within done tokens (and its
+        prompt) to saves."""
+        if not self._opts["save"]:
+            return
+        total = getattr(st.req, "num_prompt_tokens", None) or st.req.num_tokens
+        keys = self._keys(st)
+        end = min(done, total) // self._chunk
+        end = min(end, len(keys), len(st.blocks) // self._bpc)
+        if end <= st.next_save:
+            return
+        first = st.next_save
+        blocks = [st.blocks[i * self._bpc:(i + 1) * self._bpc] for i in range(first, end)]
+        saves.append(Transfer(st.req.request_id, keys[first:end], blocks, st.ns))
+        st.next_save = end
+        st.saved = True
+        if self._removals.events_on:
+            self._announce(st.req, keys, first, end, self._ns_names.index(st.ns))
+
+    def _announce(self, req, keys, first, end, group):
+        """Hands chunks first..end-1 of req to the removal machinery: a
+        BlockStored of each (its block hashes, parent, tokens) once the
+        daemon holds it in every rank's namespace, its BlockRemoved after."""
+        hashes = req.block_hashes
+        tokens = getattr(req, "all_token_ids", None) or []
+        lora = getattr(req, "lora_request", None)
+        for i in range(first, end):
+            a, b = i * self._hpc, (i + 1) * self._hpc
+            self._removals.saved(keys[i], [bytes(h) for h in hashes[a:b]], bytes(hashes[a - 1]) if a else None,
+                                 list(tokens[i * self._chunk:(i + 1) * self._chunk]), self._tph,
+                                 lora_id=getattr(lora, "adapter_id", None), lora_name=getattr(lora, "name", None),
+                                 group=group)
+
+    def take_events(self):
+        """BlockStored and BlockRemoved since the last call, without waiting
+        on the daemon."""
+        return self._removals.take_events()
+
+    def update_connector_output(self, connector_output):
+        """Releases the pins of the steps whose loads the workers ended (and
+        of steps older than the pins' lease, which ended them anyway), and
+        takes the workers' measured loads into the split's load rate. vLLM
+        hands no output for a step whose workers had nothing to say: a
+        step with loads always has (its WorkerMeta)."""
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, WorkerMeta):
+            return
+        pins = []
+        for s in wm.steps:
+            pins += self._pins.pop(s, (0, []))[1]
+        old = time.monotonic() - self._opts["pin_lease_s"]
+        for s in [s for s, (t, _) in self._pins.items() if t < old]:
+            pins += self._pins.pop(s)[1]
+        self._unpin(pins)
+        if wm.nbytes:
+            self.cost.observe_load(wm.nbytes, wm.seconds)
+            self._stats["load_measurements"] += 1
+        for step, seconds in getattr(wm, "computes", ()):
+            work = self._work.pop(step, None)
+            if work and self.cost.observe_compute(work, seconds):
+                self._stats["compute_measurements"] += 1
+
+    def _unpin(self, pins):
+        client = self._client
+        with self._cv:
+            if self._unanswered:  # sent once the daemon answers again (_probe)
+                self._unpin_later += pins
+                return
+        for i, pin_id in enumerate(pins):
+            try:
+                client.unpin(pin_id)
+            except TimeoutError as e:
+                with self._cv:
+                    self._unpin_later += pins[i:]
+                self._timed_out(client, e)
+                return
+            except Exception as e:  # the connection's end releases them anyway
+                log.debug("kvhost connector: unpin: %s", e)
+
+    def request_finished(self, request, block_ids):
+        """(True, None) where a save or a load of the request went to the
+        workers: vLLM keeps its blocks until every worker's get_finished
+        reports the request (its stores, and any load a worker gave up
+        waiting for, ended: the daemon writes no more into them);
+        (False, None) otherwise."""
+        st = self._reqs.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return (st is not None and (st.saved or st.loaded)), None
+
+    def counters(self):
+        """The scheduler's counters since it started (for tests and tools)."""
+        s = dict(self._stats)
+        s["load_gbps"] = self.cost.load_gbps
+        s["prefill_scale"] = self.cost.prefill_scale
+        s["pinned_steps"] = len(self._pins)
+        s["connected"] = self._broken is None
+        s["answering"] = not self._unanswered  # False: a request timed out, a probe waits for the daemon
+        s["events"] = self._removals.counters()
+        return s
+
+    def shutdown(self):
+        """Closes the connection (the daemon releases the pins). Idempotent."""
+        self._close()
+        self._removals.close(self._opts["daemon_wait_s"])
+
+
+def _block_ids(blocks):
+    """Group 0's block ids of vLLM's KVCacheBlocks (or a plain list)."""
+    if blocks is None:
+        return None
+    get = getattr(blocks, "get_block_ids", None)
+    if get is not None:
+        ids = get()
+        return list(ids[0]) if ids else []
+    return list(blocks)
