@@ -2,6 +2,8 @@ package conformance
 
 import (
 	"fmt"
+	"math"
+	"math/bits"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
@@ -121,6 +123,20 @@ func (s *suite) rank() (string, error) {
 // rank be: a day, in Unix nanoseconds. A rank in seconds, or 0, is
 // decades away.
 const rankSlack = uint64(24 * time.Hour)
+
+// rankCeiling is the highest rank the rank scale allows an entry last
+// used at last after hits hits: a day above it per doubling of its
+// accesses (its INSERT and its hits), so a day for an entry never hit,
+// three days after 3 hits. lfu's last access plus one half_life per
+// frequency level (bits.Len of its accesses) stays below it for a
+// half_life of at most a day. It saturates.
+func rankCeiling(last uint64, hits uint32) uint64 {
+	up := rankSlack * uint64(bits.Len64(1+uint64(hits)))
+	if last > math.MaxUint64-up {
+		return math.MaxUint64
+	}
+	return last + up
+}
 
 // ranked is a fresh host of the configured shards for the rank checks,
 // with helpers that tell it histories and ask for ranks.
@@ -250,9 +266,13 @@ func (s *suite) rankScale(r *ranked) (string, error) {
 			return "", fmt.Errorf("entry %d, last used at %d (Unix ns) after 3 hits, ranks %d, %s: a rank is never more than a day below the last access",
 				hot[i], t, rank, off(rank, t))
 		}
+		if t := hotLast[i]; rank > rankCeiling(t, 3) {
+			return "", fmt.Errorf("entry %d, last used at %d (Unix ns) after 3 hits, ranks %d, %s: a hit entry ranks at most a day above its last access per doubling of its accesses (3 days here)",
+				hot[i], t, rank, off(rank, t))
+		}
 	}
 	s.now = now
-	return "200 entries, 100 of them hit 3 times: every rank within a day of the last access (Unix nanoseconds)", nil
+	return "200 entries, 100 of them hit 3 times: every rank within a day of the last access (Unix nanoseconds), 3 days above it after 3 hits", nil
 }
 
 // rankOrder checks that ranks are monotone in recency and hits, and that
@@ -470,6 +490,10 @@ func (s *suite) restoreFields() (string, error) {
 		}
 		if ranks[i]+rankSlack < x.t {
 			return "", fmt.Errorf("entry %d, restored with time %d and %d hits, ranks %d, %s: RESTORE's time is the file's last access, and no rank is a day below it",
+				x.id, x.t, x.hits, ranks[i], off(ranks[i], x.t))
+		}
+		if ranks[i] > rankCeiling(x.t, x.hits) {
+			return "", fmt.Errorf("entry %d, restored with time %d and %d hits, ranks %d, %s: RESTORE's time is the file's last access, and a rank is at most a day above it per doubling of the accesses",
 				x.id, x.t, x.hits, ranks[i], off(ranks[i], x.t))
 		}
 	}
