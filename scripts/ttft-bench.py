@@ -129,6 +129,10 @@ def parse_args(argv=None):
     ap.add_argument("--register-files", type=int, default=None,
                     help="the daemon's gpu.register_files (0: no file registered with CUDA, as after a restart "
                          "or for another engine's files; default: the daemon's)")
+    ap.add_argument("--daemon-toml", default="",
+                    help="more of the daemon's TOML configuration, before its [[mount]] (e.g. '[gpu]\\nchecksum_on = \"gpu\"')")
+    ap.add_argument("--mount-toml", default="",
+                    help="more keys of the daemon's [[mount]] (e.g. 'io = \"buffered\"')")
     ap.add_argument("--capacity", help="the mount's capacity in the daemon's configuration (default: four "
                     "times the prefixes' K/V bytes)")
     ap.add_argument("--sizes", default="2048,8192,32256", help="prefix sizes P in tokens, comma-separated")
@@ -272,7 +276,7 @@ class Bench:
         self.connector = Connector(self, socket) if {"layerwise", "split"} & set(a.modes) else None
         self.layer_loads = bool(self.connector and self.connector.worker.counters()["layer_loads"])
         self.cold_state = {}
-        self.rel_errs, self.layer_ready = [], []
+        self.rel_errs, self.layer_ready, self.phases = [], [], {}
         self.report = {"sizes": {}}
         self.failed = False
 
@@ -323,7 +327,8 @@ class Bench:
             self.rel_errs = []
             if self.layer_ready:
                 m["layer_ready_ms"] = self.layer_ready  # the last repetition's
-                self.layer_ready = []
+                m["phases_ms"] = self.phases  # when each part of its step ended
+                self.layer_ready, self.phases = [], {}
             m.update(extra or {})
             modes[mode] = m
             self.failed |= not m["ok"]
@@ -822,14 +827,17 @@ class Connector:
         run = self.bench.run_id
         return [f"{run}-{p}-{i}" if i < p // bt else f"{run}-{p}-suffix-{i}" for i in range(tokens // bt)]
 
-    def _step(self, sched, out, forward=None, finished=()):
+    def _step(self, sched, out, forward=None, finished=(), mark=lambda name: None):
         """One engine step in vLLM's order; returns (forward's value, load
-        error block ids, requests whose saves ended)."""
+        error block ids, requests whose saves ended). mark(name) notes
+        when each part of the step ended (a request's phases)."""
         meta = sched.build_connector_meta(out)
+        mark("meta_built")
         w, names = self.worker, self.names
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
+        mark("loads_submitted")
         value = None
         if forward is None:
             for n in names:
@@ -838,11 +846,14 @@ class Connector:
         else:
             value = forward(lambda i: w.wait_for_layer_load(names[i]), lambda i: w.save_kv_layer(names[i], None, None))
         w.wait_for_save()
+        mark("saves_waited")
         sending, _ = w.get_finished(set(finished))
         errors = w.get_block_ids_with_load_errors()
         wm = w.build_connector_worker_meta()
         w.clear_connector_metadata()
+        mark("worker_done")
         sched.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=wm, finished_sending=sending))
+        mark("output_taken")
         return value, errors, sending or set()
 
     @staticmethod
@@ -882,18 +893,29 @@ class Connector:
         n = tokens.shape[0]
         req = Request(f"ttft-{p}-{self.requests}", self._names(p, n), n)
         blocks = b.table_list[:(n + b.cfg.block_tokens - 1) // b.cfg.block_tokens]
+        t0, ready, phases = time.perf_counter(), [], {}
+
+        def mark(name):
+            phases[name] = round((time.perf_counter() - t0) * 1e3, 2)
         k, _ = sched.get_num_new_matched_tokens(req, 0)
         sched.update_state_after_alloc(req, blocks, k)
-        t0, ready = time.perf_counter(), []
+        mark("scheduled")
 
         def forward(before, after):
             def wait(i):
+                if not ready:
+                    mark("first_wait")
                 before(i)
                 ready.append(round((time.perf_counter() - t0) * 1e3, 2))
-            return b.model.forward(tokens[k:], k, b.cache, b.table, before_attention=wait, after_attention=after)
-        logits, errors, _ = self._step(sched, self._output(req, blocks, k, n - k), forward)
+            out = b.model.forward(tokens[k:], k, b.cache, b.table, before_attention=wait, after_attention=after)
+            mark("forward_issued")
+            return out
+        logits, errors, _ = self._step(sched, self._output(req, blocks, k, n - k), forward, mark=mark)
         sched.request_finished(req, blocks)
-        b.layer_ready = ready
+        mark("finished")
+        b.sync()
+        mark("synchronized")
+        b.layer_ready, b.phases = ready, phases
         if errors:
             failures.append(f"the connector reported load errors in {len(errors)} blocks")
         return logits, k
@@ -930,7 +952,9 @@ def main(argv=None):
         # Room for the prefixes twice (the client's keys and the connector's), and as much again.
         daemon = Daemon(capacity=a.capacity or f"{(4 * kv >> 20) + 64}MiB", dir=os.path.abspath(a.dir),
                         extra_toml=(f"[engine]\nio_workers = {a.io_workers}\n" if a.io_workers else "") +
-                        (f"[gpu]\nregister_files = {a.register_files}\n" if a.register_files is not None else ""))
+                        (f"[gpu]\nregister_files = {a.register_files}\n" if a.register_files is not None else "") +
+                        a.daemon_toml.replace("\\n", "\n"),
+                        after_toml=a.mount_toml.replace("\\n", "\n"))
     try:
         with kvhost.Client(daemon.socket if daemon else a.socket, name="ttft-bench", timeout=a.job_timeout) as c:
             bench = Bench(a, c, daemon.socket if daemon else a.socket)
