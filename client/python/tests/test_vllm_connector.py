@@ -291,7 +291,7 @@ class LayerWaitTest(unittest.TestCase):
                        **extra})
         cfg = offloading_config("/nonexistent")
         w = C.ConnectorWorker(cfg, C.identity(cfg, o), o)
-        w._client, w._caches, w._nblocks, w._tensors = _FakeClient(), {None: 1}, NBLOCKS, []
+        w._client, w._caches, w._nblocks, w._tensors = _FakeClient(), {(None, 0): 1}, NBLOCKS, []
         return w
 
     def test_a_layer_waits_only_for_its_own_group_job(self):

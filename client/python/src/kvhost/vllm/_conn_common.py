@@ -13,6 +13,7 @@ import time
 
 from .. import protocol as p
 from ..client import Geometry
+from . import _conn_groups as groups_
 from . import _namespace as ns_
 from . import spec_compat as sc
 from ._common import (DAEMON_WAIT_S, Reconnects, check_daemon_wait, check_request_timeout, check_seconds,
@@ -171,46 +172,63 @@ def default_page_layout(environ=None):
     return ns_.page_layout_text([[ns_.DEFAULT_BACKEND]], env or "NHD", False)
 
 
-def identity(config, o):
+def identity(config, o, kv_cache_config=None):
     """What every key of this engine's connector shares (JSON-safe): the
     tier's and spec's identity rule (model, dtype, tokens per hash and
     key, parallel sizes, KV-cache groups: _namespace.identity) with this
-    connector's format, page layout, tensor layout and page size.
-    IdentityUnknown names a field vLLM did not give."""
+    connector's format, page layout, tensor layout and page size, and,
+    for a model of more than one KV-cache group or of one that is not
+    plain full attention, each group's spec (kv_groups: kind, window,
+    dtype, page size, replicated; _conn_groups). IdentityUnknown names a
+    field vLLM did not give; ValueError a model the connector cannot
+    serve."""
     layout = o["page_layout"] if o["page_layout"] is not None else default_page_layout()
     ident = ns_.identity(config, IDENTITY_FORMAT, o["namespace"] or "", collapse=False, layout=layout)
-    groups = sc.groups(ident)
-    if len(groups) != 1:
-        raise ValueError(f"kvhost.vllm: KvhostConnector supports one KV-cache group (full attention); this model "
-                         f"has {len(groups)}: use KvhostOffloadingSpec (docs/vllm.md)")
     sc.blocks_per_chunk(config)
-    ident["page_bytes"] = sc.page_bytes(config, o)
     ident["tensor_layout"] = o["tensor_layout"]
-    if o["tensor_layout"] == "planes" and ident["page_bytes"] % 2:
-        raise ValueError(f"kvhost.vllm: a page of {ident['page_bytes']} bytes cannot be split into K and V planes")
+    kvg = groups_.from_vllm(kv_cache_config, config, o)
+    if kvg is None or (len(kvg) == 1 and kvg[0].kind == groups_.FULL and not kvg[0].replicated):
+        n = len(sc.groups(ident))
+        if n != 1:
+            raise ValueError(f"kvhost.vllm: this model has {n} KV-cache groups: KvhostConnector needs vLLM's "
+                             "KVCacheConfig (its third constructor argument) to tell them apart")
+        ident["page_bytes"] = sc.page_bytes(config, o)
+        pages = [ident["page_bytes"]]
+    else:
+        ident["kv_groups"] = [{**dataclasses.asdict(g), "layer_names": list(g.layer_names)} for g in kvg]
+        ident["page_bytes"] = kvg[0].page_bytes
+        pages = [g.page_bytes for g in kvg if g.kind != groups_.STATE]
+    if o["tensor_layout"] == "planes":
+        for pb in pages:
+            if pb % 2:
+                raise ValueError(f"kvhost.vllm: a page of {pb} bytes cannot be split into K and V planes")
     return ident
 
 
-def geometry(ident, shard, salt_ns=None):
-    """The daemon geometry of the connector's keys at one worker shard:
-    one layer per model layer, one plane per layer ("blocks" tensors: a
-    block's page is one extent) or two ("planes": K and V apart), each
-    block a page's share in bytes, blocks_per_chunk blocks per key. With
-    salt_ns (a salt_namespaces name) the namespace of that name's
+def geometry(ident, shard, salt_ns=None, group=0):
+    """The daemon geometry of the connector's keys of one KV-cache group
+    at one worker shard: one layer per layer of the group, one plane per
+    layer ("blocks" tensors, and state groups: a block's page is one
+    extent) or two ("planes": K and V apart), each block a page's share
+    in bytes, blocks_per_chunk blocks per key (one for a state group).
+    A replicated group has one namespace (shard 0's) for every rank.
+    With salt_ns (a salt_namespaces name) the namespace of that name's
     requests: model id "vllm-conn@<salt_ns>:...", which a budget of the
     daemon can name apart."""
-    planes = 2 if ident["tensor_layout"] == "planes" else 1
-    heads, head = ns_.block_shape(ident["page_bytes"] // planes, "page")
+    g = groups_.groups(ident)[group]
+    planes = 2 if ident["tensor_layout"] == "planes" and g.kind != groups_.STATE else 1
+    heads, head = ns_.block_shape(g.page_bytes // planes, "page")
     f = ident["fields"]
-    desc = {**ident, "group": 0, "shard": shard}
+    shard, tp = (0, 1) if g.replicated else (shard, f["tp_size"] * f["pcp_size"])
+    desc = {**ident, "group": group, "shard": shard}
     prefix = "vllm-conn"
     if salt_ns is not None:
         desc["salt_namespace"] = salt_ns
         prefix = f"vllm-conn@{salt_ns}"
-    return Geometry(model=ns_.model_id(desc, prefix), layers=len(sc.groups(ident)[0]["layer_names"]),
+    return Geometry(model=ns_.model_id(desc, prefix), layers=len(g.layer_names),
                     kv_heads=heads, head_size=head, dtype_size=1, tokens_per_block=1,
-                    tokens_per_key=sc.chunk_blocks(ident), mla=planes == 1, tp_rank=shard,
-                    tp_size=f["tp_size"] * f["pcp_size"])
+                    tokens_per_key=g.blocks_per_key(sc.chunk_blocks(ident)), mla=planes == 1, tp_rank=shard,
+                    tp_size=tp)
 
 
 def offloading_config(vllm_config, kv_cache_config, extra):
@@ -231,36 +249,40 @@ def offloading_config(vllm_config, kv_cache_config, extra):
 
 
 class Transfer:
-    """One request's keys to load or to save this step, and per key the GPU
-    block ids (NO_BLOCK for a block the load leaves out: already on the
-    GPU). ns: the salt_namespaces name whose namespace holds the keys
-    (None: the engine's own). Picklable."""
-    __slots__ = ("req_id", "keys", "blocks", "ns")
+    """One request's keys of one KV-cache group to load or to save this
+    step, and per key the GPU block ids (NO_BLOCK for a block the load
+    leaves out: already on the GPU, or outside a sliding window). ns: the
+    salt_namespaces name whose namespace holds the keys (None: the
+    engine's own); group: the KV-cache group's index. Picklable."""
+    __slots__ = ("req_id", "keys", "blocks", "ns", "group")
 
-    def __init__(self, req_id, keys, blocks, ns=None):
+    def __init__(self, req_id, keys, blocks, ns=None, group=0):
         self.req_id, self.keys, self.blocks = req_id, list(keys), [list(b) for b in blocks]
-        self.ns = ns
+        self.ns, self.group = ns, int(group)
 
     def __reduce__(self):
-        return (Transfer, (self.req_id, self.keys, self.blocks, self.ns))
+        return (Transfer, (self.req_id, self.keys, self.blocks, self.ns, self.group))
 
     def __repr__(self):
-        return f"Transfer({self.req_id!r}, {len(self.keys)} keys)"
+        return f"Transfer({self.req_id!r}, {len(self.keys)} keys, group {self.group})"
 
 
 class ConnectorMetadata:
     """The scheduler's word to the workers for one step (what
     build_connector_meta returns and bind_connector_metadata takes): loads
     and saves (lists of Transfer), the ids of requests preempted this step,
-    and the step's number (its loads' end is reported back with it; 0 for
-    metadata built by hand). Picklable."""
+    the step's number (its loads' end is reported back with it; 0 for
+    metadata built by hand), and errors: GPU block ids the workers report
+    as load errors at once (a claim one of whose groups could not be
+    loaded: vLLM recomputes from there). Picklable."""
 
-    def __init__(self, loads=(), saves=(), preempted=(), step=0):
+    def __init__(self, loads=(), saves=(), preempted=(), step=0, errors=()):
         self.loads, self.saves, self.preempted = list(loads), list(saves), set(preempted)
         self.step = int(step)
+        self.errors = list(errors)
 
     def __reduce__(self):
-        return (ConnectorMetadata, (self.loads, self.saves, self.preempted, self.step))
+        return (ConnectorMetadata, (self.loads, self.saves, self.preempted, self.step, self.errors))
 
 
 class WorkerMeta:

@@ -9,6 +9,7 @@ import time
 
 from .. import protocol as p
 from ..client import ConnectionLost, KvhostError
+from . import _conn_groups as groups_
 from . import _namespace as ns_
 from . import spec_compat as sc
 from ._common import (DaemonAbsent, absent_if_late, absent_if_stopping, daemon_key, daemon_state, lost_connection,
@@ -20,14 +21,21 @@ from ._removals import ConnectorRemovals, kv_event_api, parse_media
 log = logging.getLogger("vllm.kvhost")
 
 
+# Claim ends a hybrid model's lookup tries below the full-attention hit
+# (each a lookup of the window and state groups' keys) before it claims
+# nothing.
+HYBRID_TRIES = 8
+
+
 class _ReqState:
-    """The scheduler's record of one request: its keys so far, its block
-    ids, the lookup's answer, what it claimed, and its saves."""
+    """The scheduler's record of one request: its keys so far and its
+    block ids (per KV-cache group), the lookup's answer, what it claimed,
+    and its saves."""
     __slots__ = ("req", "keys", "digests", "blocks", "computed", "hit", "claimed", "next_save", "saved", "loaded",
                  "ns")
 
     def __init__(self, req, ns=None):
-        self.req, self.keys, self.blocks = req, [], []
+        self.req, self.keys, self.blocks = req, {}, []  # keys: group -> list; blocks: a list per group
         self.ns = ns            # the salt_namespaces name of its cache_salt (None: the engine's namespace)
         self.digests = {}       # ns -> (client, the keys' key_digests so far): hashed once per key
         self.computed = self.hit = self.claimed = 0
@@ -45,18 +53,23 @@ class ConnectorScheduler(_Half):
         self._ident = ident
         self._what = "connector scheduler"
         self._bpc = sc.chunk_blocks(ident)
+        self._groups = groups_.groups(ident)
+        # Claims of a model with window or state groups must end where
+        # those hold what the end needs (_claimable).
+        self._hybrid = any(g.kind in (groups_.WINDOW, groups_.STATE) for g in self._groups)
         grp = sc.groups(ident)[0]
         self._tpb = grp["tokens_per_block"]
         self._chunk = self._bpc * self._tpb
         self._tph = ns_.count(config, "cache.tokens_per_hash", "tokens per hash")
         self._hpc = self._chunk // self._tph
-        self._tp = sc.shards(config)
+        self._tp = groups_.shards(config)
         layers = len(grp["layer_names"])
         self.cost = cost_model(o, ident["page_bytes"] * layers / self._tpb)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._reqs = {}
-        self._loads = {}                       # req id -> Transfer, for the next build_connector_meta
+        self._loads = {}                       # req id -> [Transfer per group], for the next build_connector_meta
+        self._load_errors = {}                 # req id -> block ids of a claim that cannot load (reported failed)
         self._pins = {}                        # step -> (when, the pin ids its loads hold)
         self._step_pins = []
         self._steps = 0                        # steps built
@@ -71,10 +84,11 @@ class ConnectorScheduler(_Half):
         self._salts = o["salt_namespaces"]
         # The namespaces' names: None (the engine's) and each salt's name.
         self._ns_names = [None] + sorted(set(self._salts.values()))
-        if len(self._ns_names) * self._tp > _MAX_NAMESPACES:
+        per_name = sum(self._ranks(g) for g in range(len(self._groups)))
+        if len(self._ns_names) * per_name > _MAX_NAMESPACES:
             raise ValueError(f"kvhost.vllm: salt_namespaces: {len(self._ns_names) - 1} names and the engine's own "
-                             f"namespace, each at {self._tp} ranks, are more than the {_MAX_NAMESPACES} namespaces "
-                             f"a connection may declare")
+                             f"namespace, each of {per_name} namespaces (KV-cache groups at each rank), are more "
+                             f"than the {_MAX_NAMESPACES} namespaces a connection may declare")
         try:
             self._client, self._ns = self._open()
         except DaemonAbsent as e:
@@ -93,7 +107,8 @@ class ConnectorScheduler(_Half):
             except ImportError as e:  # a vLLM without them: nothing to report with
                 events = False
                 log.warning("kvhost connector: vLLM's KV-event classes do not import (%s): no KV events", e)
-        where = [(i, r) for i in range(len(self._ns_names)) for r in range(self._tp)]
+        # (Group 0's keys: a chunk is announced once group 0 holds it.)
+        where = [(i, r) for i in range(len(self._ns_names)) for r in range(self._ranks(0))]
         self._removals = ConnectorRemovals(
             api, o["socket"], [geometry(ident, r, self._ns_names[i]) for i, r in where],
             groups=[i for i, _ in where], medium=getattr(api, "medium", "STORAGE"),
@@ -108,13 +123,16 @@ class ConnectorScheduler(_Half):
         client = open_client(o["socket"], o["client_name"], setup_timeout(o),
                              " (set the connector option \"socket\" or KVHOST_SOCKET)")
         try:
-            nss = {}  # salt name (None: the engine's) -> its namespace at each rank
+            nss = {}  # salt name (None: the engine's) -> per KV-cache group its namespace at each rank
             for name in self._ns_names:
                 nss[name] = []
-                for r in range(self._tp):
-                    geo = geometry(self._ident, r, name)
-                    nss[name].append(client.declare(geo))
-                    ns_.check_served(nss[name][-1].fingerprint, geo)
+                for g in range(len(self._groups)):
+                    at = []
+                    for r in range(self._ranks(g)):
+                        geo = geometry(self._ident, r, name, g)
+                        at.append(client.declare(geo))
+                        ns_.check_served(at[-1].fingerprint, geo)
+                    nss[name].append(at)
             # Every request of the scheduler's is made in a vLLM call
             # (lookups, pins, unpins): none waits past daemon_wait_s.
         except BaseException as e:
@@ -123,6 +141,11 @@ class ConnectorScheduler(_Half):
             absent_if_late(e, o["socket"])
             raise
         return client, nss
+
+    def _ranks(self, g):
+        """Ranks with a namespace of group g: one for a replicated group
+        (rank 0 writes it, every rank loads it), else every shard."""
+        return 1 if self._groups[g].replicated else self._tp
 
     def _swap_locked(self, new):
         self._client, self._ns = new
@@ -179,15 +202,16 @@ class ConnectorScheduler(_Half):
 
     # -- lookups ---------------------------------------------------------------
 
-    def _keys(self, st):
-        """The request's keys so far: one per whole chunk of its block
-        hashes (vLLM's offload key of the chunk's last hash, group 0),
-        as the daemon names them. Grown as the request's hashes grow."""
+    def _keys(self, st, group=0):
+        """The request's keys of one KV-cache group so far: one per whole
+        chunk of its block hashes (vLLM's offload key of the chunk's last
+        hash and the group's index), as the daemon names them. Grown as
+        the request's hashes grow."""
         hashes = st.req.block_hashes
         n = len(hashes) // self._hpc
-        keys = st.keys
+        keys = st.keys.setdefault(group, [])
         if len(keys) < n:
-            tail = (0).to_bytes(4, "big")
+            tail = group.to_bytes(4, "big")
             for i in range(len(keys), n):
                 keys.append(daemon_key(bytes(hashes[(i + 1) * self._hpc - 1]) + tail))
         return keys
@@ -203,7 +227,10 @@ class ConnectorScheduler(_Half):
         """The end of the contiguous cached prefix from computed on (in
         tokens, chunk-aligned; computed where nothing beyond it is cached),
         found in the daemon's shared lookup table (the daemon is asked
-        where the table cannot answer)."""
+        where the table cannot answer). A hybrid model's prefix counts
+        only where every KV-cache group holds what it needs (full
+        attention every chunk, a window the chunks of its window before
+        the end, a state group the state at the end: _held)."""
         st = self._state(request)
         keys = self._keys(st)
         total = getattr(request, "num_prompt_tokens", None) or request.num_tokens
@@ -216,9 +243,7 @@ class ConnectorScheduler(_Half):
             return computed
         nss = nss[st.ns]
         try:
-            n = last - first
-            for ns in nss:  # every rank must hold a key
-                n = min(n, self._leading(client, ns, keys, first, n, self._digests(st, client, ns, keys)))
+            n = self._held(st, client, nss, first, last)
         except (KvhostError, ConnectionLost, OSError, ValueError) as e:
             self._stats["lookup_errors"] += 1
             if isinstance(e, TimeoutError):
@@ -230,6 +255,41 @@ class ConnectorScheduler(_Half):
                 log.warning("kvhost connector: lookup: %s", e)
             return computed
         return max(computed, (first + n) * self._chunk)
+
+    def _held(self, st, client, nss, first, last):
+        """How many chunks from first (up to last) every group holds for a
+        claim ending after them: the full-attention groups' run of keys
+        held at every rank, then, for window and state groups, the longest
+        claim (HYBRID_TRIES tried, from the longest) whose needs they hold."""
+        n = last - first
+        for g in self._groups:
+            if g.kind in (groups_.WINDOW, groups_.STATE):
+                continue
+            keys = self._keys(st, g.index)
+            for ns in nss[g.index]:  # every rank must hold a key
+                n = min(n, self._leading(client, ns, keys, first, n, self._digests(st, client, ns, keys)))
+        if not self._hybrid:
+            return n
+        for m in range(n, max(0, n - HYBRID_TRIES), -1):
+            if self._claimable(st, client, nss, first, (first + m) * self._chunk):
+                return m
+        return 0
+
+    def _claimable(self, st, client, nss, first, end):
+        """Whether the window and state groups hold what a claim of the
+        chunks from first to end (tokens) needs (groups_.claim_needs)."""
+        for g in self._groups:
+            if g.kind not in (groups_.WINDOW, groups_.STATE):
+                continue
+            need = groups_.claim_needs(g, first, end, self._chunk)
+            if not need:
+                continue
+            keys = self._keys(st, g.index)
+            for ns in nss[g.index]:
+                got = self._leading(client, ns, keys, need.start, len(need), self._digests(st, client, ns, keys))
+                if got < len(need):
+                    return False
+        return True
 
     @staticmethod
     def _digests(st, client, ns, keys):
@@ -281,12 +341,33 @@ class ConnectorScheduler(_Half):
         elif self._opts["load_split"] == "all":
             k = hit
         else:
+            if self._hybrid:
+                # A window group costs its window and a state group one state,
+                # not the claim's tokens: the split's bytes per token for
+                # this claim (_conn_groups.bytes_per_token).
+                self.cost.bytes_per_token = groups_.bytes_per_token(self._groups, hit - num_computed_tokens,
+                                                                    self._chunk)
             k = self.cost.split(total, num_computed_tokens, hit, self._chunk)
+            if self._hybrid and num_computed_tokens < k < hit and not self._claim_ok(st, num_computed_tokens, k):
+                c = num_computed_tokens
+                k = hit if self.cost.ttft_s(total, c, hit) <= self.cost.ttft_s(total, c, c) else c
         st.computed, st.hit, st.claimed = num_computed_tokens, hit, k
         if hit > num_computed_tokens:
             self._stats["hit_tokens"] += hit - num_computed_tokens
             self._stats["claimed_tokens"] += k - num_computed_tokens
         return k - num_computed_tokens, False
+
+    def _claim_ok(self, st, computed, end):
+        """Whether a claim ending at end (below the hit) is one the window
+        and state groups hold (False where the daemon cannot be asked)."""
+        client, nss = self._ask(), self._ns
+        if client is None:
+            return False
+        try:
+            return self._claimable(st, client, nss[st.ns], computed // self._chunk, end)
+        except (KvhostError, ConnectionLost, OSError, ValueError) as e:
+            log.debug("kvhost connector: lookup: %s", e)
+            return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         """Records the blocks the claimed keys load into, and pins the keys
@@ -295,7 +376,7 @@ class ConnectorScheduler(_Half):
         st = self._state(request)
         ids = _block_ids(blocks)
         if ids is not None:
-            st.blocks = list(ids)
+            st.blocks = ids
         # The chunks found stored, and those in vLLM's GPU prefix cache
         # (computed, and saved, by an earlier request), are not saved again.
         st.next_save = max(st.next_save, st.hit // self._chunk, st.computed // self._chunk)
@@ -303,26 +384,35 @@ class ConnectorScheduler(_Half):
             return
         start = st.computed
         end = start + num_external_tokens
-        first, last = start // self._chunk, end // self._chunk
-        keys = self._keys(st)[first:last]
-        per = []
+        first = start // self._chunk
         skip = start // self._tpb  # blocks already on the GPU
-        for i in range(first, last):
-            slots = st.blocks[i * self._bpc:(i + 1) * self._bpc]
-            per.append([p.NO_BLOCK if i * self._bpc + j < skip else b for j, b in enumerate(slots)])
-        if any(len(b) != self._bpc for b in per):
-            log.warning("kvhost connector: request %s: %d blocks for %d keys of %d blocks; loading none",
-                        request.request_id, len(st.blocks), len(keys), self._bpc)
-            per, keys = [], []
-        if keys:
-            self._loads[request.request_id] = Transfer(request.request_id, keys, per, st.ns)
-            self._pin(keys, st.ns)
+        rid = request.request_id
+        transfers = []
+        for g in self._groups:
+            ids = st.blocks[g.index] if g.index < len(st.blocks) else []
+            keys = self._keys(st, g.index)
+            per = groups_.load_blocks(g, list(groups_.claim_needs(g, first, end, self._chunk)), ids, self._bpc, skip,
+                                      end)
+            if per is None or any(c >= len(keys) for c, _ in per):
+                # vLLM gave no block where the claim's KV goes: its blocks
+                # are reported as load errors (vLLM computes them again).
+                log.warning("kvhost connector: request %s: KV-cache group %d (%s) has no block for its part of the "
+                            "%d claimed tokens; they are recomputed", rid, g.index, g.kind, num_external_tokens)
+                self._stats["load_unplaceable"] += 1
+                self._load_errors[rid] = sorted({b for bl in st.blocks for b in bl[skip:-(-end // self._tpb)] if b})
+                return
+            if per:
+                transfers.append(Transfer(rid, [keys[c] for c, _ in per], [b for _, b in per], st.ns, g.index))
+        if transfers:
+            self._loads[rid] = transfers
+            for t in transfers:
+                self._pin(t.keys, st.ns, t.group)
 
-    def _pin(self, keys, name=None):
+    def _pin(self, keys, name=None, group=0):
         client, nss = self._ask(), self._ns
         if client is None:
             return
-        nss = nss[name]
+        nss = nss[name][group]
         try:
             for ns in nss:
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
@@ -346,7 +436,7 @@ class ConnectorScheduler(_Half):
             st = self._reqs.get(nr.req_id)
             if st is None:
                 continue
-            st.blocks = list(nr.block_ids[0])
+            st.blocks = _group_lists(nr.block_ids)
             self._save(st, nr.num_computed_tokens + sched.get(nr.req_id, 0), saves)
         cr = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cr is not None:
@@ -357,12 +447,19 @@ class ConnectorScheduler(_Half):
                     continue
                 new = cr.new_block_ids[i]
                 if new is not None:
-                    st.blocks = list(new[0]) if rid in resumed else st.blocks + list(new[0])
+                    new = _group_lists(new)
+                    if rid in resumed or len(st.blocks) != len(new):
+                        st.blocks = new
+                    else:
+                        st.blocks = [a + b for a, b in zip(st.blocks, new)]
                 self._save(st, cr.num_computed_tokens[i] + sched.get(rid, 0), saves)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or set()
         self._steps += 1
         self._note_work(scheduler_output, sched)
-        meta = ConnectorMetadata(list(self._loads.values()), saves, preempted, self._steps)
+        errors = [b for ids in self._load_errors.values() for b in ids]
+        meta = ConnectorMetadata([t for ts in self._loads.values() for t in ts], saves, preempted, self._steps,
+                                 errors)
+        self._load_errors = {}
         for t in meta.loads:
             st = self._reqs.get(t.req_id)
             if st is not None and t.keys:
@@ -401,12 +498,23 @@ class ConnectorScheduler(_Half):
         total = getattr(st.req, "num_prompt_tokens", None) or st.req.num_tokens
         keys = self._keys(st)
         end = min(done, total) // self._chunk
-        end = min(end, len(keys), len(st.blocks) // self._bpc)
+        end = min(end, len(keys), len(st.blocks[0]) // self._bpc if st.blocks else 0)
         if end <= st.next_save:
             return
         first = st.next_save
-        blocks = [st.blocks[i * self._bpc:(i + 1) * self._bpc] for i in range(first, end)]
-        saves.append(Transfer(st.req.request_id, keys[first:end], blocks, st.ns))
+        for g in self._groups:
+            gkeys = self._keys(st, g.index)
+            ids = st.blocks[g.index] if g.index < len(st.blocks) else []
+            ks, bs = [], []
+            for c in range(first, end):
+                b = groups_.save_blocks(g, c, ids, self._bpc)
+                if b is None:  # vLLM no longer holds it (outside a window, no state there)
+                    self._stats["save_skipped_keys"] += 1
+                    continue
+                ks.append(gkeys[c])
+                bs.append(b)
+            if ks:
+                saves.append(Transfer(st.req.request_id, ks, bs, st.ns, g.index))
         st.next_save = end
         st.saved = True
         if self._removals.events_on:
@@ -480,7 +588,13 @@ class ConnectorScheduler(_Half):
         (False, None) otherwise."""
         st = self._reqs.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._load_errors.pop(request.request_id, None)
         return (st is not None and (st.saved or st.loaded)), None
+
+    def request_finished_all_groups(self, request, block_ids):
+        """request_finished with vLLM's block ids of every KV-cache group
+        (the hybrid KV-cache manager's call): the same answer."""
+        return self.request_finished(request, block_ids)
 
     def counters(self):
         """The scheduler's counters since it started (for tests and tools)."""
@@ -499,12 +613,22 @@ class ConnectorScheduler(_Half):
         self._removals.close(self._opts["daemon_wait_s"])
 
 
+def _group_lists(ids):
+    """Per KV-cache group a list of block ids, from vLLM's tuple of lists
+    (one per group) or a plain list (one group)."""
+    ids = list(ids)
+    if ids and not isinstance(ids[0], (list, tuple)):
+        return [ids]
+    return [list(b) for b in ids]
+
+
 def _block_ids(blocks):
-    """Group 0's block ids of vLLM's KVCacheBlocks (or a plain list)."""
+    """Every group's block ids of vLLM's KVCacheBlocks (or a plain list:
+    one group), a list per group."""
     if blocks is None:
         return None
     get = getattr(blocks, "get_block_ids", None)
     if get is not None:
         ids = get()
-        return list(ids[0]) if ids else []
-    return list(blocks)
+        return _group_lists(ids) if ids else [[]]
+    return _group_lists(blocks)

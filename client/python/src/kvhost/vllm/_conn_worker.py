@@ -9,6 +9,7 @@ import time
 
 from .. import protocol as p
 from ..client import ConnectionLost, KvhostError, Layer
+from . import _conn_groups as groups_
 from . import _namespace as ns_
 from . import spec_compat as sc
 from ._common import (DaemonAbsent, absent_if_late, absent_if_stopping, daemon_state, lost_connection, open_client,
@@ -30,6 +31,12 @@ def _dense(t):
     return True
 
 
+def _lead(t):
+    """The tensor that starts a layer's pages: t, or the first of vLLM's
+    list of a state layer's views (conv and SSM states)."""
+    return t[0] if isinstance(t, (list, tuple)) else t
+
+
 class _Step:
     """The loads of one step: its number (the scheduler's), per layer
     group its daemon jobs (each with the block lists of its keys), the
@@ -44,7 +51,7 @@ class _Step:
         self.t0, self.nbytes, self.t_end = time.monotonic(), 0, None
         self.sent = 0.0  # seconds from t0 to the last job's submission
         self.daemon_s = 0.0  # the longest job, submission to completion, as the daemon timed it
-        self.layer_group = layer_group  # layer index -> its group's index
+        self.layer_group = layer_group  # layer name -> its job group's key: (KV-cache group, layer group)
 
 
 class ConnectorWorker(_Half):
@@ -55,15 +62,18 @@ class ConnectorWorker(_Half):
         self._opts = opts
         self._ident = ident
         self._bpc = sc.chunk_blocks(ident)
-        self._names = list(sc.groups(ident)[0]["layer_names"])
-        self._index = {n: i for i, n in enumerate(self._names)}
+        self._groups = groups_.groups(ident)
+        # Every KV-cache group's layers (of this worker's pipeline stage).
+        self._names = [n for g in self._groups for n in g.layer_names]
+        self._group_of = {n: g for g in self._groups for n in g.layer_names}
+        self._order = {n: i for i, n in enumerate(self._names)}  # the layers' order in the model (register_kv_caches)
         self.rank = ns_.count(config, "parallel.rank", "worker rank", least=0)
-        self.shard = sc.shard_of(config)
+        self.stage, self.shard = groups_.place(config)
         self._what = f"connector worker {self.rank}"
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._broken, self._closing, self._reconnectors = None, False, []
-        self._client = self._caches = None              # salt name (None: the engine's) -> cache id
+        self._client = self._caches = None              # (salt name (None: the engine's), group) -> cache id
         self._ns_names = [None] + sorted(set(opts["salt_namespaces"].values()))
         self._tensors = None
         self._nblocks = 0
@@ -91,18 +101,22 @@ class ConnectorWorker(_Half):
     def register_kv_caches(self, kv_caches):
         """Registers each layer's paged tensor with the daemon (CUDA IPC,
         or host memory by its shared file) as one cache of the namespace.
-        Every layer of the identity's group must be there, each (num_blocks,
+        Every layer of the identity's groups must be there, each (num_blocks,
         ...) with a contiguous page per block ("blocks") or (2, num_blocks,
         ...) with a contiguous half page per plane and block ("planes");
-        other layouts are refused (ValueError)."""
+        a state group's layer (Mamba, linear attention) a tensor or vLLM's
+        list of state views of one page per block (the first view starts
+        the page); other layouts are refused (ValueError)."""
         missing = [n for n in self._names if n not in kv_caches]
         if missing:
             raise ValueError(f"kvhost.vllm: register_kv_caches got no tensor for layer(s) {', '.join(missing[:4])} "
                              f"of the {len(self._names)} the engine's KV-cache group names")
+        order = {n: i for i, n in enumerate(kv_caches)}
+        self._order = {n: order[n] for n in self._names}
         tensors = [kv_caches[n] for n in self._names]
         self._check_layout()
         self._nblocks = min(self._blocks_of(t, n) for t, n in zip(tensors, self._names))
-        self._tensors = tensors
+        self._tensors = [_lead(t) for t in tensors]
         try:
             self._client, self._caches, self._regions = self._open()
         except DaemonAbsent as e:
@@ -120,6 +134,9 @@ class ConnectorWorker(_Half):
         if seen is None:
             return
         backends, layout = seen
+        # A state group's pages are its states, whatever the attention
+        # backends' byte order: the attention groups' backends name it.
+        backends = [b for g, b in zip(self._groups, backends) if g.kind != groups_.STATE] or backends
         got = ns_.page_layout_text(backends, layout, False)
         want = self._ident["page_layout"]
         if got != want:
@@ -130,8 +147,18 @@ class ConnectorWorker(_Half):
 
     def _blocks_of(self, t, name):
         """The number of blocks of layer tensor t, once its layout is the
-        identity's tensor_layout with contiguous pages of page_bytes."""
-        page, es, shape = self._ident["page_bytes"], t.element_size(), tuple(t.shape)
+        identity's tensor_layout with contiguous pages of its group's
+        page_bytes (a state group's: a page per block from its first
+        state view's start)."""
+        g = self._group_of[name]
+        if g.kind == groups_.STATE:
+            t = _lead(t)
+            es = t.element_size()
+            if t.dim() < 1 or t.stride(0) * es < g.page_bytes:
+                raise ValueError(f"kvhost.vllm: layer {name}'s state (shape {tuple(t.shape)}, strides {t.stride()}) "
+                                 f"has no {g.page_bytes}-byte page per block")
+            return t.shape[0]
+        page, es, shape = g.page_bytes, t.element_size(), tuple(t.shape)
         planes = self._ident["tensor_layout"] == "planes"
         lead = 2 if planes else 1
         if len(shape) < lead + 1 or (planes and shape[0] != 2):
@@ -160,9 +187,10 @@ class ConnectorWorker(_Half):
         client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", setup_timeout(o))
         regions = {}
         try:
-            planes = self._ident["tensor_layout"] == "planes"
-            layers = []
-            for t in self._tensors:
+            layers = {g.index: [] for g in self._groups}  # per KV-cache group, its layers in its order
+            for name, t in zip(self._names, self._tensors):
+                g = self._group_of[name]
+                planes = self._ident["tensor_layout"] == "planes" and g.kind != groups_.STATE
                 es = t.element_size()
                 st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
                 addr = st.data_ptr()
@@ -174,17 +202,18 @@ class ConnectorWorker(_Half):
                 region, base = regions[addr]
                 off = base + t.storage_offset() * es
                 if planes:
-                    layers.append(Layer(region, offset=off, block_stride=t.stride(1) * es,
-                                        plane_stride=t.stride(0) * es, num_blocks=self._nblocks))
+                    layers[g.index].append(Layer(region, offset=off, block_stride=t.stride(1) * es,
+                                                 plane_stride=t.stride(0) * es, num_blocks=self._nblocks))
                 else:
-                    layers.append(Layer(region, offset=off, block_stride=t.stride(0) * es, plane_stride=0,
-                                        num_blocks=self._nblocks))
-            caches = {}  # one per namespace, over the same layers
+                    layers[g.index].append(Layer(region, offset=off, block_stride=t.stride(0) * es, plane_stride=0,
+                                                 num_blocks=self._nblocks))
+            caches = {}  # one per namespace and KV-cache group, over the group's layers
             for name in self._ns_names:
-                geo = geometry(self._ident, self.shard, name)
-                ns = client.declare(geo)
-                ns_.check_served(ns.fingerprint, geo)
-                caches[name] = client.register_cache(ns, layers)
+                for g in self._groups:
+                    geo = geometry(self._ident, self.shard, name, g.index)
+                    ns = client.declare(geo)
+                    ns_.check_served(ns.fingerprint, geo)
+                    caches[(name, g.index)] = client.register_cache(ns, layers[g.index])
             client.set_timeout(o["request_timeout_s"])
         except BaseException as e:
             client.close()
@@ -207,19 +236,28 @@ class ConnectorWorker(_Half):
     # -- loads -----------------------------------------------------------------
 
     def start_load(self, meta):
-        """Submits the step's loads (meta.loads) at once: one daemon job per
-        group of layers (layer_groups; one job for every layer where the
-        daemon cannot load a layer range), in layer order. A step without
-        loads has its forward pass timed (begin_pass) instead."""
+        """Submits the step's loads (meta.loads) at once: per KV-cache group,
+        one daemon job per group of its layers (layer_groups; one job for
+        every layer where the daemon cannot load a layer range), in the
+        model's layer order. A step without loads has its forward pass
+        timed (begin_pass) instead. meta.errors go into the step's load
+        errors."""
         self._step = None
+        self._errors.update(getattr(meta, "errors", ()) or ())
         loads = [t for t in getattr(meta, "loads", ()) if t.keys]
         if not loads:
             self._begin_pass(getattr(meta, "step", 0))
             return
-        nl = len(self._names)
-        lpl = self._opts["layers_per_load"] if self._client is not None and self.layer_loads() else nl
-        groups = layer_groups(nl, lpl, self._opts["layer_groups"])
-        step = _Step(getattr(meta, "step", 0), [g for g, (_, n) in enumerate(groups) for _ in range(n)])
+        ranged = self._client is not None and self.layer_loads()
+        ranges, where = {}, {}  # (group, layer group) -> (first, count); layer name -> its (group, layer group)
+        for g in self._groups:
+            nl = len(g.layer_names)
+            lgs = layer_groups(nl, self._opts["layers_per_load"] if ranged else nl, self._opts["layer_groups"])
+            for lg, (first, count) in enumerate(lgs):
+                ranges[(g.index, lg)] = (first, count, len(lgs) > 1)
+                for n in g.layer_names[first:first + count]:
+                    where[n] = (g.index, lg)
+        step = _Step(getattr(meta, "step", 0), where)
         self._step = step
         # The scheduler delays the free of these requests' blocks until
         # get_finished reports them, their loads ended.
@@ -241,19 +279,26 @@ class ConnectorWorker(_Half):
                 parts[-1][1].append(t)
             else:
                 parts.append((t.ns, [t]))
+        # The job groups in the order of their first layer in the model.
+        first_layer = {}
+        for n, key in where.items():
+            first_layer[key] = min(first_layer.get(key, len(self._order)), self._order.get(n, 0))
         step.t0 = time.monotonic()
-        for g, (first, count) in enumerate(groups):
-            jobs = step.jobs[g] = []
+        for key in sorted(ranges, key=lambda k: (first_layer.get(k, 0), k)):
+            first, count, ranged = ranges[key]
+            jobs = step.jobs[key] = []
             for name, ts in parts:
-                self._load_jobs(client, name, ts, first, count, len(groups) > 1, jobs)
+                ts = [t for t in ts if t.group == key[0]]
+                if ts:
+                    self._load_jobs(client, (name, key[0]), ts, first, count, ranged, jobs)
         step.sent = time.monotonic() - step.t0
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
 
     def _load_jobs(self, client, name, loads, first, count, ranged, jobs):
-        """Sends the load jobs of loads (all of salt namespace name) for
-        layers [first, first + count) (the whole key where not ranged),
-        appending (job, blocks, owners) to jobs."""
+        """Sends the load jobs of loads (all of name: (salt namespace name,
+        KV-cache group)) for layers [first, first + count) (the whole key
+        where not ranged), appending (job, blocks, owners) to jobs."""
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
         owners = [t.req_id for t in loads for _ in t.keys]
@@ -302,10 +347,9 @@ class ConnectorWorker(_Half):
         step = self._step
         if step is None:
             return
-        i = self._index.get(layer_name)
-        if i is None:
+        g = step.layer_group.get(layer_name)
+        if g is None or g not in step.jobs:
             return
-        g = step.layer_group[i] if step.layer_group[i] in step.jobs else 0
         self._wait_group(step, g, time.monotonic() + self._opts["daemon_wait_s"])
 
     def _give_up(self, job, blocks, owners, g, first=True):
@@ -320,7 +364,7 @@ class ConnectorWorker(_Half):
         handle_preemptions waits for its given-up loads, however long.
         Logged once a step (first), the later groups' at debug level."""
         self._stats["load_given_up_jobs"] += 1
-        (log.warning if first else log.debug)("kvhost connector: a load job of layer group %d not ended by the daemon after %gs (%s): given "
+        (log.warning if first else log.debug)("kvhost connector: a load job of layer group %s not ended by the daemon after %gs (%s): given "
                     "up (vLLM recomputes its %d keys' blocks; its requests' blocks are held until the daemon ends "
                     "it)", g, self._opts["daemon_wait_s"], daemon_state(job._client), len(blocks))
         self._fail(blocks)
@@ -358,11 +402,12 @@ class ConnectorWorker(_Half):
                 step.gave_up = True
                 # What the job was to move (finish_loads reports it over the
                 # time the step had: at most the mount's rate).
-                pages = sum(x != p.NO_BLOCK for b in blocks for x in b) * step.layer_group.count(g)
-                step.lost += pages * self._ident["page_bytes"]
+                layers = sum(1 for v in step.layer_group.values() if v == g)
+                pages = sum(x != p.NO_BLOCK for b in blocks for x in b) * layers
+                step.lost += pages * self._groups[g[0]].page_bytes
                 continue
             except Exception as e:  # refused, or the connection closed: recomputed
-                log.warning("kvhost connector: load of layer group %d failed: %s", g, e)
+                log.warning("kvhost connector: load of layer group %s failed: %s", g, e)
                 self._fail(blocks)
                 if lost_connection(e, job._client):
                     with self._cv:
@@ -374,7 +419,7 @@ class ConnectorWorker(_Half):
             failed += blocks[len(r.keys):]
             if failed:
                 self._stats["load_failed_keys"] += len(failed)
-                log.warning("kvhost connector: %d of %d keys not loaded in layer group %d (%s): vLLM recomputes "
+                log.warning("kvhost connector: %d of %d keys not loaded in layer group %s (%s): vLLM recomputes "
                             "their blocks", len(failed), len(blocks), g, r.message or "missing")
                 self._fail(failed)
         step.t_end = time.monotonic()
@@ -427,6 +472,11 @@ class ConnectorWorker(_Half):
         # The scheduler delays the free of these requests' blocks until
         # get_finished reports them, stored or not.
         self._saving.update(t.req_id for t in saves)
+        # A replicated group (MLA's latent KV) is the same on every rank:
+        # rank 0 writes it (every rank still reports the request finished).
+        saves = [t for t in saves if self.shard == 0 or not self._groups[t.group].replicated]
+        if not saves:
+            return
         if self._usable() is None:
             self._stats["store_skipped_keys"] += sum(len(t.keys) for t in saves)
             return
@@ -489,7 +539,7 @@ class ConnectorWorker(_Half):
             for i in range(0, len(t.keys), p.MAX_KEYS_PER_REQUEST):
                 sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
                 try:
-                    cache = self._caches.get(t.ns) if self._caches is not None else None
+                    cache = self._caches.get((t.ns, t.group)) if self._caches is not None else None
                     if cache is None:
                         raise ValueError(f"salt namespace {t.ns!r} is not in this worker's salt_namespaces")
                     job = client.store(cache, t.keys[sl], t.blocks[sl], block=False)

@@ -136,7 +136,7 @@ class _ConnectorImpl:
         if config is None:
             config = offloading_config(vllm_config, kv_cache_config, extra_config)
         self._config = config
-        self._ident = identity(config, o)
+        self._ident = identity(config, o, kv_cache_config)
         self._scheduler = self._worker = None
         if _role_name(role) == "SCHEDULER":
             self._scheduler = ConnectorScheduler(config, self._ident, o)
@@ -254,6 +254,20 @@ class _ConnectorImpl:
         """(True, None) while the request's blocks are being saved."""
         return self._scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request, block_ids):
+        """(True, None) while the request's blocks are being saved or
+        loaded: vLLM's call with every KV-cache group's block ids (the
+        connector is SupportsHMA, so vLLM keeps its hybrid KV-cache
+        manager on)."""
+        return self._scheduler.request_finished_all_groups(request, block_ids)
+
+    @property
+    def requires_kv_delivery(self):
+        """False: kvhost is a best-effort cache (a save dropped by a
+        preemption is a later miss), so vLLM need not recompute a preempted
+        request whose save is pending."""
+        return False
+
     def take_events(self):
         """The scheduler half's KV events: BlockStored of the chunks its
         saves stored (once the daemon holds them) and BlockRemoved of those
@@ -294,7 +308,8 @@ def detect_connector():
     except ImportError:  # stats are optional: the connector runs without them
         KVConnectorStats = None
     return types.SimpleNamespace(name="vllm", KVConnectorBase_V1=base.KVConnectorBase_V1,
-                                 KVConnectorRole=base.KVConnectorRole, KVConnectorStats=KVConnectorStats)
+                                 KVConnectorRole=base.KVConnectorRole, KVConnectorStats=KVConnectorStats,
+                                 SupportsHMA=getattr(base, "SupportsHMA", None))
 
 
 def connector_class(api=None):
@@ -303,6 +318,9 @@ def connector_class(api=None):
     api = detect_connector() if api is None else api
     base = getattr(api, "KVConnectorBase_V1", None)
     bases = (_ConnectorImpl,) if base is None else (_ConnectorImpl, base)
+    hma = getattr(api, "SupportsHMA", None)
+    if base is not None and hma is not None:
+        bases += (hma,)  # vLLM keeps its hybrid KV-cache manager on (request_finished_all_groups)
     stats = getattr(api, "KVConnectorStats", None)
     cls = type("KvhostConnector", bases, {"_api": api, "__module__": "kvhost.vllm", "__doc__": _ConnectorImpl.__doc__,
                                           "_stats_cls": stats_class(stats) if stats is not None else None})
