@@ -1079,3 +1079,23 @@ func TestOddRanksTellsSecondsFromNanoseconds(t *testing.T) {
 		}
 	}
 }
+
+func TestShareIsAnEqualPartOfWhatTheRestLeaves(t *testing.T) {
+	b := Bound{Capacity: 3000, High: 2700, Low: 2400}
+	for _, tc := range []struct {
+		nodes int
+		rest  int64
+		want  int64
+	}{
+		{3, 0, 1000},
+		{3, 600, 800},
+		{1, 0, 3000},
+		{0, 0, 3000},    // no live node counted: this one alone
+		{2, 5000, 0},    // the rest takes the whole bound
+		{4, 1 << 62, 0}, // a saturated rest
+	} {
+		if got := b.Share(tc.nodes, tc.rest); got != tc.want {
+			t.Errorf("Share(%d nodes, rest %d) of %d = %d, want %d", tc.nodes, tc.rest, b.Capacity, got, tc.want)
+		}
+	}
+}

@@ -221,3 +221,13 @@ func (b Bound) Decide(now int64, own Sketch, ownBytes int64, peers []*Summary, w
 	}
 	return p
 }
+
+// Share is a live node's fair share of the bound: an equal part, among
+// nodes live nodes, of what the rest of the cluster (rest: bytes no live
+// node may evict or give back, the unclaimed dead nodes' and the untagged
+// files') leaves of the capacity. A node below its share always gets room
+// for a store: the others evict down to theirs to make it
+// (docs/cluster.md, "Fair shares").
+func (b Bound) Share(nodes int, rest int64) int64 {
+	return max(b.Capacity-rest, 0) / int64(max(nodes, 1))
+}

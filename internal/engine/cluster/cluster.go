@@ -46,6 +46,11 @@ type Mount struct {
 	// them): a count adds them to the space's reservations.
 	pending int64
 	claim   int64
+	// want is the claim this node asks, published beyond claim, while
+	// waiters of its stores wait for room within its fair share
+	// (Reserve): the others evict down to leave it. 0 without a waiter.
+	want    int64
+	waiters int
 	seq     uint64
 	pub     *clustercap.Summary // the last summary published
 	// The rest, in groups, all under mu but where a field says otherwise.
@@ -990,7 +995,7 @@ func (c *Mount) publish(sketch clustercap.Sketch, touches []clustercap.Touch, cu
 	c.seq++
 	c.claim = max(c.claim, c.own)
 	s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: c.Node, Tag: c.tag, Seq: c.seq, Time: c.Host.Now().UnixNano(),
-		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches, Adopted: c.adoptedNames(), LockShared: c.lockShared(),
+		Interval: int64(c.interval), Bytes: c.own, Claim: max(c.claim, c.want), Sketch: sketch, Touches: touches, Adopted: c.adoptedNames(), LockShared: c.lockShared(),
 		Capacity: c.configured.Capacity, Bound: c.bound.Capacity, BoundFrom: c.from, Policy: c.Policy, Run: c.run, Untagged: c.untagged}
 	switch {
 	case cut > 0:
@@ -1036,8 +1041,13 @@ func (c *Mount) Tick(ctx context.Context) {
 	}
 	sketch := clustercap.NewSketch(items, clustercap.SketchPoints)
 	p := c.bound.Decide(start, sketch, c.own, c.cutsOf(start), 2*int64(c.interval))
-	if p.Cut > 0 {
-		if freed := c.evict(ctx, own, p.Cut, 0); freed > 0 {
+	// Room for a node waiting below its fair share (its claim asks it):
+	// a node above its own share evicts down to what the others' claims
+	// leave, but not below its share.
+	limit := c.bound.Capacity - clustercap.Claims(c.others())
+	over := max(0, c.own-max(limit, c.shareLocked()))
+	if p.Cut > 0 || over > 0 {
+		if freed := c.evict(ctx, own, p.Cut, over); freed > 0 {
 			own, c.own, _ = c.count(ctx)
 			items = items[:0]
 			for _, r := range own {
@@ -1048,7 +1058,7 @@ func (c *Mount) Tick(ctx context.Context) {
 	}
 	c.checkOwn()
 	// A tick only lowers the claim: raising it is reserve's write-then-read.
-	c.claim = min(c.claim, c.own+c.bound.Grant(len(c.peers)+1, 0))
+	c.claim = min(c.claim, c.own+c.bound.Grant(len(c.peers)+1, 0), max(c.own, limit))
 	cut := uint64(0)
 	if p.Computed {
 		cut = p.Cut
@@ -1173,25 +1183,124 @@ func (c *Mount) evict(ctx context.Context, own []ranked, cut uint64, need int64)
 // claim the node publishes a higher claim first and then reads the
 // others' (two nodes raising theirs at once cannot both miss the other);
 // if the claims do not fit the bound, it evicts its files below the
-// cut-off, and then its lowest-ranked, until they do. Without the
-// directory (lost), or while a node that may run cannot be counted
-// (c.unknown: its summary unusable, none read before), it stays within its
-// last claim. A caller that gave up
-// (ctx cancelled) before the eviction gets ctx's error instead, with no
-// file deleted. A call that fails publishes its claim again, lowered back
-// to what the node holds: a raised claim left published would count in
-// the others' bound until the next tick.
-func (c *Mount) Reserve(ctx context.Context, size int64) error {
+// cut-off, and then its lowest-ranked, until they do. A node below its
+// fair share (shareLocked) beside a node above its own evicts none of its
+// files beyond the cut-off: it asks the room (want, published) and waits
+// for the others to evict down to their shares (at their next claim
+// raise or tick), reading the directory every pollStarved, for at most
+// starveWaitLocked. Without the directory (lost), or while a node that
+// may run cannot be counted (c.unknown: its summary unusable, none read
+// before), it stays within its last claim. A caller that gave up (ctx
+// cancelled) before the eviction gets ctx's error instead, with no file
+// deleted. A call that fails publishes its claim again, lowered back to
+// what the node holds: a raised claim left published would count in the
+// others' bound until the next tick.
+func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	starved, err := c.reserveLocked(ctx, size)
+	if !starved {
+		return err
+	}
+	c.waiters++
+	defer func() {
+		if c.waiters--; c.waiters == 0 {
+			c.want = 0
+			if err != nil { // the room asked is not taken: published no more
+				if perr := c.publish(c.lastSketch(), nil, 0); perr != nil {
+					c.lose(perr)
+				}
+			}
+		}
+	}()
+	wait := c.starveWaitLocked()
+	deadline := time.Now().Add(wait)
+	for {
+		c.mu.Unlock()
+		t := time.NewTimer(pollStarved(c.interval))
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
+		t.Stop()
+		c.mu.Lock()
+		if ctx.Err() != nil {
+			return fmt.Errorf("engine: mount %s: waiting for room within this node's fair share: %w", c.Root, ctx.Err())
+		}
+		if rerr := c.read(ctx); rerr != nil {
+			c.lose(rerr)
+			return err
+		}
+		if c.own+size <= c.limitLocked(c.claim) || time.Now().After(deadline) {
+			var again bool
+			if again, err = c.reserveLocked(ctx, size); !again {
+				return err
+			}
+			if time.Now().After(deadline) {
+				var ns *NoSpaceError
+				if errors.As(err, &ns) {
+					ns.Why = fmt.Sprintf("waited %v for the other nodes to evict down to their fair shares (this node's: %d bytes; a node idle above its share evicts at its next tick)", wait, c.shareLocked())
+				}
+				return err
+			}
+		}
+	}
+}
+
+// pollStarved is how often a store waiting for room within its node's
+// fair share reads the directory, on a mount of cluster interval i.
+func pollStarved(i time.Duration) time.Duration {
+	return min(max(i/8, time.Millisecond), 25*time.Millisecond)
+}
+
+// How long a store waits for room within its node's fair share, whatever
+// the nodes' intervals: at least minStarveWait (a busy peer's next claim
+// raise, through a file system that stalls a rename now and then), at
+// most maxStarveWait.
+const (
+	minStarveWait = time.Second
+	maxStarveWait = 5 * time.Second
+)
+
+// starveWaitLocked is how long a store waits for room within its node's
+// fair share: StaleIntervals of the longest interval among this node and
+// its live peers (a peer idle above its share evicts at its tick; a busy
+// one at its next claim raise), within minStarveWait and maxStarveWait.
+// Called with c.mu held.
+func (c *Mount) starveWaitLocked() time.Duration {
+	i := c.interval
+	for _, p := range c.peers {
+		i = max(i, time.Duration(p.Interval))
+	}
+	return min(max(clustercap.StaleIntervals*i, minStarveWait), maxStarveWait)
+}
+
+// shareLocked is this node's fair share of the bound as last read
+// (Bound.Share): an equal part, among the live nodes, of what the
+// unclaimed dead nodes and the untagged files leave of it. Called with
+// c.mu held.
+func (c *Mount) shareLocked() int64 {
+	rest := clustercap.Claims(c.unclaimed)
+	if c.untaggedAll > 0 {
+		rest += c.untaggedAll
+	}
+	return c.bound.Share(len(c.peers)+1, rest)
+}
+
+// reserveLocked is Reserve without the wait: starved says the store did
+// not fit, this node is below its fair share and the peers' evicting
+// down to theirs would give the room (yieldLimitLocked), so that waiting
+// for them may; the room is then asked (c.want, published) and err is
+// the refusal should the wait end without it. Called with c.mu held.
+func (c *Mount) reserveLocked(ctx context.Context, size int64) (starved bool, err error) {
 	if c.own+size <= c.claim {
 		c.own += size
 		c.pending += size
-		return nil
+		return false, nil
 	}
 	last := c.claim
 	c.claim = c.own + size + c.bound.Grant(len(c.peers)+1, size)
-	err := c.publish(c.lastSketch(), nil, 0)
+	err = c.publish(c.lastSketch(), nil, 0)
 	if err == nil {
 		err = c.read(ctx)
 	}
@@ -1233,11 +1342,21 @@ func (c *Mount) Reserve(ctx context.Context, size int64) error {
 			c.claim = max(last, c.own)
 			computed = false // its files below the cut-off are not gone yet
 			settle()
-			return fmt.Errorf("engine: mount %s: eviction stopped: %w", c.Root, ctx.Err())
+			return false, fmt.Errorf("engine: mount %s: eviction stopped: %w", c.Root, ctx.Err())
 		}
-		c.evict(ctx, own, cut, c.own+size-limit)
+		// Below its fair share beside a node above its own, a node keeps
+		// its files (but those below the cut-off) and asks the room.
+		need := c.own + size - limit
+		wait := err == nil && c.twin == "" && len(c.unknown) == 0 && c.own+size <= max(c.shareLocked(), size) && c.own+size <= c.yieldLimitLocked()
+		if wait {
+			need = 0
+		}
+		c.evict(ctx, own, cut, need)
 		if c.own+size > limit {
 			c.claim = max(last, c.own)
+			if wait {
+				c.want = max(c.want, c.own+size)
+			}
 			settle()
 			why := "no evictable file of its own left"
 			if twin := c.twinNote(); twin != "" {
@@ -1247,14 +1366,28 @@ func (c *Mount) Reserve(ctx context.Context, size int64) error {
 			} else if c.untaggedAll > 0 {
 				why = fmt.Sprintf("no evictable file of its own left, and %d bytes of files without an owner tag count against the bound", c.untaggedAll)
 			}
-			return &NoSpaceError{Root: c.Root, Own: c.own, Limit: limit, Capacity: c.bound.Capacity, Size: size, Why: why}
+			return wait, &NoSpaceError{Root: c.Root, Own: c.own, Limit: limit, Capacity: c.bound.Capacity, Size: size, Why: why}
 		}
 		c.claim = min(c.claim, limit)
 		settle()
 	}
 	c.own += size
 	c.pending += size
-	return nil
+	return false, nil
+}
+
+// yieldLimitLocked is the most this node may hold once every live peer
+// above its fair share (shareLocked) evicted down to it: what the bound
+// leaves beside the others as last read, each live peer's claim taken at
+// most at its share. Called with c.mu held.
+func (c *Mount) yieldLimitLocked() int64 {
+	share := c.shareLocked()
+	var peers int64
+	for _, p := range c.peers {
+		peers += min(p.Claim, share)
+	}
+	rest := c.bound.Capacity - clustercap.Claims(c.others()) + clustercap.Claims(c.peers)
+	return rest - peers
 }
 
 // ReserveClaimed is Reserve within this node's claim only: it
