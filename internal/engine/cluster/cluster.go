@@ -134,6 +134,20 @@ type clusterAgree struct {
 	unowned     int64
 	unownedPath string
 	forgedSaid  bool // a summary under this node's name that it did not write was logged
+	// held holds, per peer whose lock was probed for a field that counts
+	// only from a running node (heldLocked), what the probe found.
+	held map[string]heldProbe
+	// refused holds the fields of peers' summaries refused (checkFields),
+	// by node and field: logged once while they stay so.
+	refused map[string]bool
+}
+
+// heldProbe is what a probe of a peer's lock found (heldLocked).
+type heldProbe struct {
+	run  int64  // the peer's run (Summary.Run) at the probe
+	seq  uint64 // its summary's Seq at the probe
+	at   int64  // when (Unix ns)
+	held bool   // the lock was held
 }
 
 // clusterAdoption is the dead nodes this node adopted on a cluster mount
@@ -608,6 +622,7 @@ func (c *Mount) read(ctx context.Context) error {
 // node reports (named in a warning while there are any). Called with c.mu
 // held.
 func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summary {
+	c.checkFields(now)
 	first, _ := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
 	untenable := map[string]uint64{}
 	ignore := func(s *clustercap.Summary, why string) {
@@ -720,6 +735,61 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 	return counted
 }
 
+// checkFields checks the fields of the live peers' summaries (c.peers)
+// that only a running node may state and that would stop every node's
+// stores if false: untagged bytes (they count against the bound) count
+// only from a node whose lock is held (heldLocked: anyone may write a
+// summary, but only a running node holds its lock). A field refused is
+// left out of the peer's summary as this node counts it, with one
+// warning naming the summary file while it stays so. Called with c.mu
+// held.
+func (c *Mount) checkFields(now int64) {
+	refused := map[string]bool{}
+	refuse := func(p *clustercap.Summary, field string, v int64, why string) {
+		key := p.Node + "\x00" + field
+		refused[key] = true
+		if !c.refused[key] {
+			c.Log.Warn("engine: cluster: a summary states what this node cannot take as true: refused, the field not counted (a forged or corrupt summary); remove the file if no such node runs",
+				"mount", c.Root, "summary", c.dir.SummaryPath(p.Node), "field", field, "value", v, "why", why)
+		}
+	}
+	for i, p := range c.peers {
+		if p.Untagged == 0 {
+			continue
+		}
+		if !c.heldLocked(p, now) {
+			refuse(p, "untagged", p.Untagged, "its node holds no lock, so runs nowhere: untagged bytes count only as seen by this node or a running one")
+			g := *p
+			g.Untagged = 0
+			c.peers[i] = &g
+		}
+	}
+	c.refused = refused
+}
+
+// heldLocked reports whether p's node holds its lock: a probe found it
+// held in p's run, or finds it so now. A probe that found it free is
+// taken again at p's next summary, at most once an interval, so that
+// neither a summary that stays (a forged one) nor a node whose flocks
+// do not reach this one costs a probe on every store's claim raise.
+// Called with c.mu held.
+func (c *Mount) heldLocked(p *clustercap.Summary, now int64) bool {
+	if c.held == nil {
+		c.held = map[string]heldProbe{}
+	}
+	h, ok := c.held[p.Node]
+	switch {
+	case ok && h.held && h.run == p.Run:
+		return true
+	case ok && !h.held && (h.seq == p.Seq || now-h.at < int64(c.interval)):
+		return false
+	}
+	free, err := c.dir.LockFree(p.Node)
+	h = heldProbe{run: p.Run, seq: p.Seq, at: now, held: err == nil && !free}
+	c.held[p.Node] = h
+	return h.held
+}
+
 // forgetGone forgets the pairings and probes of the nodes that have no
 // summary on the mount any more, readable (read) or not (c.bad): retired
 // (by this node or another), or removed by hand. Nodes come and go under
@@ -732,6 +802,7 @@ func (c *Mount) forgetGone(read map[string]bool) {
 	gone := func(node string) bool { return !read[node] && !c.bad[node] }
 	maps.DeleteFunc(c.shared, func(node string, _ bool) bool { return gone(node) })
 	maps.DeleteFunc(c.probes, func(node string, _ *lockProbe) bool { return gone(node) })
+	maps.DeleteFunc(c.held, func(node string, _ heldProbe) bool { return gone(node) })
 }
 
 // probeLocks probes, once a tick, the locks of running nodes (fresh:

@@ -1,0 +1,99 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/clustercap"
+)
+
+// logLines collects what a logger writes, a line per record, for a test
+// to look for a record by the words it holds (its message and
+// attributes).
+type logLines struct {
+	t  *testing.T
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+// lineLogger returns a logger of warnings and above that logs through t
+// and into the returned logLines.
+func lineLogger(t *testing.T) (*slog.Logger, *logLines) {
+	l := &logLines{t: t}
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelWarn})), l
+}
+
+func (l *logLines) Write(p []byte) (int, error) {
+	l.t.Log(strings.TrimSuffix(string(p), "\n"))
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// count is how many lines hold every one of words.
+func (l *logLines) count(words ...string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, line := range strings.Split(l.b.String(), "\n") {
+		all := line != ""
+		for _, w := range words {
+			all = all && strings.Contains(line, w)
+		}
+		if all {
+			n++
+		}
+	}
+	return n
+}
+
+// TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal (issue
+// 94, item 1): a fresh summary of node X, which holds no lock (no node
+// runs under its name), states untagged bytes of 2^62 or of the whole
+// bound.
+// Node A, bound 8 files, stores 12 keys beside it: every store succeeds
+// (evicting A's own oldest) within A's configured bound, and a warning
+// names X's summary file and the field refused. On the code before,
+// the untagged bytes counted against the bound, so A evicted its files
+// and failed its stores.
+func TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal(t *testing.T) {
+	file := oneFileBytes(t)
+	capacity := 8 * file
+	for _, tc := range []struct {
+		name  string
+		field string
+		edit  func(s *clustercap.Summary)
+	}{
+		{"untagged 2^62", "untagged", func(s *clustercap.Summary) { s.Untagged = clustercap.MaxBytes }},
+		{"untagged the bound", "untagged", func(s *clustercap.Summary) { s.Untagged = capacity }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			dir := t.TempDir()
+			log, lines := lineLogger(t)
+			a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: time.Hour}}, NodeID: "a", Logger: log})
+			s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: "x", Tag: clustercap.Tag("x"), Seq: 1,
+				Time: time.Now().UnixNano(), Interval: int64(time.Hour), Capacity: capacity}
+			tc.edit(s)
+			path := forgeSummary(t, dir, s)
+			m := a.e.mounts[0]
+			m.cluster.Tick(ctx)
+			r := rand.New(rand.NewPCG(94, 1))
+			if got := storeWithinBound(t, a, dir, "a", 12, capacity, r); got != 12 {
+				t.Errorf("A stored %d of 12 keys beside X's forged %s, want all", got, tc.field)
+			}
+			if got := m.cluster.Capacity(); got != capacity {
+				t.Errorf("A's bound beside X's forged %s: %d, want its configured %d", tc.field, got, capacity)
+			}
+			if n := lines.count("refused", path, "field="+tc.field); n != 1 {
+				t.Errorf("%d warnings name %s and refuse its %s, want one", n, path, tc.field)
+			}
+		})
+	}
+}
