@@ -90,8 +90,7 @@ func (r *remover) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRe
 	case d.En == nil:
 		return droppedKey{}
 	}
-	r.published(d.En, reasonOf(why))
-	r.toldOrphan(d.En, d.Remove && !d.Claimed)
+	r.recordDrop(d.En, d.Remove, reasonOf(why))
 	left := r.dropped(ctx, d.En, d.Claimed, d.Rec, why)
 	return droppedKey{en: d.En, keys: d.Keys, left: left, kept: !d.Remove}
 }

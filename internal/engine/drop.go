@@ -37,12 +37,25 @@ func (r *remover) dropAs(ctx context.Context, en *entry, remove bool, why string
 	if !was {
 		return false
 	}
-	if reason != 0 {
-		r.published(en, reason)
-		r.toldOrphan(en, remove && !claimed)
-	}
+	r.recordDrop(en, remove, reason)
 	r.dropped(ctx, en, claimed, rec, why)
 	return true
+}
+
+// recordDrop records the removal of the keys of en, just dropped, for
+// reason (0: none, the caller records it): at once where its file is
+// not to be removed (gone already, replaced, or another node's), else
+// once its file is gone (pend: removeAt, evictClaimed, endRelease), so
+// that a crash never leaves a file whose keys subscribers were told
+// are gone, to be found again at the restart.
+func (r *remover) recordDrop(en *entry, remove bool, reason removals.Reason) {
+	switch {
+	case reason == 0:
+	case remove:
+		r.pend(en, reason)
+	default:
+		r.published(en, reason)
+	}
 }
 
 // dropped ends the drop of en from the index (index.drop,
@@ -90,8 +103,8 @@ func (r *remover) endRelease(path string, fl *flight, orphans []*entry) {
 		close(fl.Done)
 		return
 	}
-	r.publishOrphans(orphans)
 	_, left, at := r.disposeIfSame(path, orphans, false)
+	r.publishOrphans(orphans, left)
 	r.releaseRemoved(path, orphans, left, at)
 }
 
@@ -104,12 +117,12 @@ func (r *remover) removeClaimed(en *entry) (left bool) {
 // evictClaimed is removeClaimed for an evicted entry: the file may be
 // kept as a spare (spares.go), its bytes then moving to the spares.
 func (r *remover) evictClaimed(en *entry) {
-	reason := removals.Evicted
-	if r.mounts[en.Mount].cluster != nil {
-		reason = removals.ClusterEvicted
-	}
-	r.published(en, reason)
 	kept, left, at := r.disposeIfSame(en.Path, []*entry{en}, true)
+	if left == nil { // gone from its path: removed, or a spare now
+		r.published(en, r.evictedReason(en))
+	} else {
+		r.pend(en, r.evictedReason(en))
+	}
 	if kept {
 		fl, orphans := r.ix.ReleaseKept(en.Path, en)
 		r.endRelease(en.Path, fl, orphans)
@@ -131,10 +144,14 @@ func (r *remover) retryLeft(m *mount) {
 }
 
 // removeAt removes the file of en at at (its path, or where a failed
-// removal left it: takeLeft) if it is still en's, and releases the path
+// removal left it: takeLeft) if it is still en's, records the removal
+// of its keys pending once it is gone (settle), and releases the path
 // claimed for it; it reports whether the file is still there.
 func (r *remover) removeAt(at string, en *entry) (left bool) {
 	_, l, now := r.disposeIfSame(at, []*entry{en}, false)
+	if l == nil {
+		r.settle(en)
+	}
 	r.releaseRemoved(at, []*entry{en}, l, now)
 	return l != nil
 }

@@ -54,11 +54,14 @@ type remover struct {
 	// while it has subscribers (removalfeed.go).
 	feed  removals.Feed
 	sweep vanishSweep
-	// told holds the entries dropped while a job of this engine held
-	// their paths (orphans, which that job removes: endRelease) whose
-	// removal a drop recorded already (toldOrphan); endRelease records
-	// the others, evictions' (publishOrphans).
-	told sync.Map // *entry -> struct{}
+	// pending holds the entries dropped whose files are still to be
+	// removed, each with the reason its keys' removal is recorded for
+	// once its file is gone (pend, settle): by the dropper (removeAt,
+	// evictClaimed), by the job that held the path meanwhile (an
+	// orphan: endRelease), or by a later try where the removal failed
+	// (index.left: retryLeft, a purge). An orphan of an eviction
+	// (index.Evict) has none: it is recorded evicted (publishOrphans).
+	pending sync.Map // *entry -> removals.Reason
 }
 
 // published records the removal of the keys of en, which has just left
@@ -79,32 +82,56 @@ func (r *remover) published(en *entry, reason removals.Reason) {
 	r.feed.Publish(recs...)
 }
 
-// toldOrphan marks en, whose keys' removal a drop has just recorded
-// (published), as told where the drop left its file to the job that
-// holds its path (orphan): endRelease records it no second time.
-func (r *remover) toldOrphan(en *entry, orphan bool) {
-	if orphan && r.feed.Recording() {
-		r.told.Store(en, struct{}{})
+// pend holds the record of the removal of en's keys, for reason, until
+// its file is gone (settle). It costs one atomic load while the feed has
+// never had a subscriber.
+func (r *remover) pend(en *entry, reason removals.Reason) {
+	if r.feed.Recording() && !en.Spare {
+		r.pending.Store(en, reason)
 	}
+}
+
+// settle records the removal of en's keys that pend held, now that its
+// file is gone from its path (removed, kept as a spare, or found gone or
+// replaced), and reports whether one was pending.
+func (r *remover) settle(en *entry) bool {
+	reason, ok := r.pending.LoadAndDelete(en)
+	if ok {
+		r.published(en, reason.(removals.Reason))
+	}
+	return ok
+}
+
+// evictedReason is the feed's reason of the eviction of en.
+func (r *remover) evictedReason(en *entry) removals.Reason {
+	if r.mounts[en.Mount].cluster != nil {
+		return removals.ClusterEvicted
+	}
+	return removals.Evicted
 }
 
 // publishOrphans records the removal of the keys of orphans, entries
 // dropped while a job of this engine held their paths, whose files that
-// job is about to remove, but for those a drop recorded already
-// (toldOrphan): an eviction's (index.Evict and EvictID leave the file of
-// a held path to its holder, and evictClaimed records only the files
-// the eviction removes itself). A key the holder's own file holds now
-// (a store that published at the path) is still stored: no record.
-func (r *remover) publishOrphans(orphans []*entry) {
+// job has just tried to remove (endRelease): with the reason their drop
+// left (pend), or evicted (index.Evict and EvictID leave the file of a
+// held path to its holder, and record nothing). left, where not nil, is
+// the orphan whose file is still there: its record waits for the retry
+// that removes it. A key the holder's own file holds now (a store that
+// published at the path) is still stored: no record.
+func (r *remover) publishOrphans(orphans []*entry, left *entry) {
+	if !r.feed.Recording() {
+		return
+	}
 	for _, en := range orphans {
-		if _, ok := r.told.LoadAndDelete(en); ok || !r.feed.Recording() {
+		if en == left {
+			if _, ok := r.pending.Load(en); !ok {
+				r.pend(en, r.evictedReason(en))
+			}
 			continue
 		}
-		reason := removals.Evicted
-		if r.mounts[en.Mount].cluster != nil {
-			reason = removals.ClusterEvicted
+		if !r.settle(en) {
+			r.published(en, r.evictedReason(en))
 		}
-		r.published(en, reason)
 	}
 }
 
