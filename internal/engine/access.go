@@ -193,23 +193,47 @@ func isJournal(name string) bool {
 	return strings.HasPrefix(name, accesslog.Prefix)
 }
 
-// readAccess reads the journals at paths into one figure per file id:
-// where two journals name a file (moved between mounts), the later last
-// access wins.
-func readAccess(fsy fsys.FS, log *slog.Logger, paths []string) map[uint64]accesslog.Figure {
+// journalBound is the most bytes of records a start reads of a journal
+// when files were found on the mounts: what its writer lets it hold
+// (append compacts it past compactMin records and two per file of its
+// mount, and one write adds at most maxPendingAccess). A journal larger
+// than that was not written by kvhost alone (garbage, a copy appended
+// to): its start reads the last records only, 26 MiB for a few files,
+// instead of up to a gigabyte (seconds to a start).
+func journalBound(files int) int64 {
+	return int64(compactMin+2*files+maxPendingAccess) * accesslog.RecordSize
+}
+
+// journalBadMany is the ignored records past which a start's note of
+// them is a warning: a crash tears one record, a journal of garbage
+// millions.
+const journalBadMany = 1024
+
+// readAccess reads the journals at paths into one figure per file id,
+// at most limit bytes of records each (journalBound): where two
+// journals name a file (moved between mounts), the later last access
+// wins. A journal read in part, or holding many bad records, is
+// logged at warning level.
+func readAccess(fsy fsys.FS, log *slog.Logger, paths []string, limit int64) map[uint64]accesslog.Figure {
 	all := map[uint64]accesslog.Figure{}
 	for _, p := range paths {
 		if p == "" {
 			continue
 		}
-		c, err := accesslog.Read(fsy, p)
+		c, err := accesslog.Read(fsy, p, limit)
 		if err != nil {
 			if !errors.Is(err, fs.ErrNotExist) {
 				log.Warn("engine: access journal unread: its files restore with their store times and no hits", "path", p, "err", err)
 			}
 			continue
 		}
-		if c.Bad > 0 || c.Torn > 0 {
+		switch {
+		case c.Skipped > 0:
+			log.Warn("engine: access journal larger than kvhost keeps one: only its last records read, the files named only before them restore with their store times and no hits",
+				"path", p, "skipped_bytes", c.Skipped, "read_bytes", limit, "bad", c.Bad)
+		case c.Bad >= journalBadMany:
+			log.Warn("engine: access journal: many records ignored (not kvhost's, or damaged)", "path", p, "bad", c.Bad, "valid", c.Records, "torn_bytes", c.Torn)
+		case c.Bad > 0 || c.Torn > 0:
 			log.Info("engine: access journal: records ignored", "path", p, "bad", c.Bad, "torn_bytes", c.Torn)
 		}
 		for fid, f := range c.Figures {

@@ -193,7 +193,7 @@ func (rc *recovery) rebuild(ctx context.Context) error {
 	found = rc.tier.dedupe(found) // copies left by a move cut short (demote.go)
 	// After the order by store time: the newest file wins a key, however
 	// recently another was used.
-	restoreAccess(found, readAccess(rc.fs, rc.log, rc.journals), rc.now().UnixNano())
+	restoreAccess(found, readAccess(rc.fs, rc.log, rc.journals, journalBound(len(found))), rc.now().UnixNano())
 	ids := make([]NamespaceID, len(found))
 	for i, en := range found {
 		en.NS = uint32(rc.tables.namespaceOf(en.FP))

@@ -41,9 +41,13 @@ const magic = "KVHACC1\n"
 // the CRC-32C of those 20 bytes (u32), little-endian.
 const RecordSize = 24
 
-// maxJournal bounds the bytes Read takes from a journal: a larger one
-// is not this package's (a compacted journal holds one record per file).
+// maxJournal bounds the record bytes Read takes from a journal where
+// its caller sets no smaller bound.
 const maxJournal = 1 << 30
+
+// readChunk is the bytes Read decodes at a time: whole records, so that
+// a journal's start holds one chunk in memory, not the journal.
+const readChunk = (1 << 20) / RecordSize * RecordSize
 
 // ErrNotJournal is returned by Read for a file that is not an access
 // journal (its first bytes are not the journal's magic).
@@ -67,6 +71,9 @@ type Contents struct {
 	// checksum or named file id 0; Torn the bytes of a partial record
 	// at the end (a write cut short).
 	Records, Bad, Torn int
+	// Skipped is the bytes of records Read left unread at the
+	// journal's start: it read the last of them, up to its limit.
+	Skipped int64
 }
 
 func putRecord(b []byte, f Figure) {
@@ -82,7 +89,13 @@ func Decode(b []byte) (Contents, error) {
 		return Contents{}, ErrNotJournal
 	}
 	c := Contents{Figures: map[uint64]Figure{}}
-	b = b[len(magic):]
+	c.Torn = len(c.decode(b[len(magic):]))
+	return c, nil
+}
+
+// decode adds the whole records of b to c and returns the bytes after
+// the last whole record.
+func (c *Contents) decode(b []byte) []byte {
 	for ; len(b) >= RecordSize; b = b[RecordSize:] {
 		f := Figure{
 			FID:  binary.LittleEndian.Uint64(b[0:]),
@@ -96,13 +109,19 @@ func Decode(b []byte) (Contents, error) {
 		c.Records++
 		c.Figures[f.FID] = f
 	}
-	c.Torn = len(b)
-	return c, nil
+	return b
 }
 
 // Read reads the journal at path; a missing journal reads as empty
-// (with an error matching fs.ErrNotExist).
-func Read(fsy fsys.FS, path string) (Contents, error) {
+// (with an error matching fs.ErrNotExist), a file that does not start
+// as a journal fails with ErrNotJournal after reading its first bytes
+// alone. It reads at most limit bytes of records (limit ≤ 0: 1 GiB), the
+// last ones (a later record of a file replaces an earlier one), a chunk
+// at a time: the records before them are Contents.Skipped, so that a
+// journal grown past what its writer keeps (compaction holds it to a
+// few records per file), garbage appended to, costs its start at most
+// limit bytes.
+func Read(fsy fsys.FS, path string, limit int64) (Contents, error) {
 	f, err := fsy.OpenFile(path, os.O_RDONLY|fsys.ONoLinks, 0)
 	if err != nil {
 		return Contents{}, fmt.Errorf("accesslog: %w", err)
@@ -112,17 +131,39 @@ func Read(fsy fsys.FS, path string) (Contents, error) {
 	if err != nil {
 		return Contents{}, fmt.Errorf("accesslog: %w", err)
 	}
-	n := min(fi.Size(), maxJournal)
-	b := make([]byte, n)
-	if got, err := f.ReadAt(b, 0); err != nil && !(errors.Is(err, io.EOF) && got > 0) {
-		return Contents{}, fmt.Errorf("accesslog: read %s: %w", path, err)
-	} else {
-		b = b[:got]
+	head := make([]byte, len(magic))
+	if n, err := f.ReadAt(head, 0); n < len(head) || string(head) != magic {
+		if err != nil && !errors.Is(err, io.EOF) {
+			return Contents{}, fmt.Errorf("accesslog: read %s: %w", path, err)
+		}
+		return Contents{}, fmt.Errorf("%s: %w", path, ErrNotJournal)
 	}
-	c, err := Decode(b)
-	if err != nil {
-		return Contents{}, fmt.Errorf("%s: %w", path, err)
+	if limit <= 0 || limit > maxJournal {
+		limit = maxJournal
 	}
+	c := Contents{Figures: map[uint64]Figure{}}
+	off, end := int64(len(magic)), fi.Size()
+	if n := end - off; n > limit {
+		c.Skipped = (n - limit + RecordSize - 1) / RecordSize * RecordSize
+		off += c.Skipped
+	}
+	buf := make([]byte, min(end-off, readChunk))
+	var rest []byte // a record cut by the end of a chunk
+	for off < end {
+		b := append(buf[:0], rest...)
+		b = b[:len(rest)+int(min(end-off, int64(cap(buf)-len(rest))))]
+		got, err := f.ReadAt(b[len(rest):], off)
+		if err != nil && !errors.Is(err, io.EOF) {
+			return Contents{}, fmt.Errorf("accesslog: read %s: %w", path, err)
+		}
+		off += int64(got)
+		b = b[:len(rest)+got]
+		rest = append(rest[:0:0], c.decode(b)...)
+		if got == 0 || errors.Is(err, io.EOF) {
+			break // shorter than its size said: truncated meanwhile
+		}
+	}
+	c.Torn = len(rest)
 	return c, nil
 }
 
@@ -138,7 +179,8 @@ type Journal struct {
 
 // Open opens the journal at path for appending, after the records
 // already there (a torn record at its end is written over), creating
-// it, or starting it afresh where it is not a journal.
+// it, or starting it afresh, a new empty file, where it is not a
+// journal.
 func Open(fsy fsys.FS, path string) (*Journal, error) {
 	f, err := fsy.OpenFile(path, os.O_RDWR|os.O_CREATE|fsys.ONoLinks, 0o644)
 	if err != nil {
@@ -155,6 +197,18 @@ func Open(fsy fsys.FS, path string) (*Journal, error) {
 		j.n = int((fi.Size() - int64(len(magic))) / RecordSize)
 		j.off = int64(len(magic)) + int64(j.n)*RecordSize
 		return j, nil
+	}
+	if fi.Size() > 0 {
+		// Not a journal: it goes, lest a start read its bytes (Read);
+		// a file is made anew, never truncated.
+		f.Close()
+		if err := fsy.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("accesslog: start %s: %w", path, err)
+		}
+		if f, err = fsy.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|fsys.ONoLinks, 0o644); err != nil {
+			return nil, fmt.Errorf("accesslog: start %s: %w", path, err)
+		}
+		j.f = f
 	}
 	if _, err := f.WriteAt([]byte(magic), 0); err != nil {
 		f.Close()

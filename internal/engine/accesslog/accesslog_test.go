@@ -2,6 +2,7 @@ package accesslog
 
 import (
 	"errors"
+	"maps"
 	"os"
 	"path/filepath"
 	"testing"
@@ -91,7 +92,7 @@ func TestOpenAppendsOverATornRecord(t *testing.T) {
 		t.Fatal(err)
 	}
 	j.Close()
-	got, err := Read(fsys.OS{}, path)
+	got, err := Read(fsys.OS{}, path, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +115,7 @@ func TestOpenStartsAfreshOverAFileThatIsNotAJournal(t *testing.T) {
 		t.Fatal(err)
 	}
 	j.Close()
-	got, err := Read(fsys.OS{}, path)
+	got, err := Read(fsys.OS{}, path, 0)
 	if err != nil || got.Figures[9] != f || got.Records != 1 {
 		t.Fatalf("Read = %+v, %v; want the one record appended", got, err)
 	}
@@ -148,7 +149,7 @@ func TestRewriteKeepsOnlyTheFiguresGivenOverALeftoverAndAppendsAfterThem(t *test
 	if err := j.Append([]Figure{later}); err != nil {
 		t.Fatal(err)
 	}
-	got, err := Read(fsys.OS{}, path)
+	got, err := Read(fsys.OS{}, path, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,5 +158,93 @@ func TestRewriteKeepsOnlyTheFiguresGivenOverALeftoverAndAppendsAfterThem(t *test
 	}
 	if _, err := os.Stat(path + ".new"); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("the rewrite's temporary file is left: %v", err)
+	}
+}
+
+// countFS counts the bytes read through the files it opens.
+type countFS struct {
+	fsys.OS
+	read *int64
+}
+
+func (c countFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
+	f, err := c.OS.OpenFile(name, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return countFile{f, c.read}, nil
+}
+
+type countFile struct {
+	fsys.File
+	read *int64
+}
+
+func (f countFile) ReadAt(p []byte, off int64) (int, error) {
+	n, err := f.File.ReadAt(p, off)
+	*f.read += int64(n)
+	return n, err
+}
+
+// TestReadTakesTheLastRecordsUpToItsLimit: a journal longer than Read's
+// limit is read from its end, whole records at a time, the records
+// before them skipped (and counted), however large the journal.
+func TestReadTakesTheLastRecordsUpToItsLimit(t *testing.T) {
+	a, b, a2 := Figure{FID: 11, Last: 100, Hits: 1}, Figure{FID: 22, Last: 200, Hits: 2}, Figure{FID: 11, Last: 300, Hits: 2}
+	early := Figure{FID: 33, Last: 50, Hits: 5}
+	path := filepath.Join(t.TempDir(), Prefix+"n")
+	whole := encoded(early, a, b, a2)
+	if err := os.WriteFile(path, whole[:len(whole)-3], 0o644); err != nil { // a2 torn
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		limit   int64
+		want    map[uint64]Figure
+		skipped int64
+	}{
+		{0, map[uint64]Figure{33: early, 11: a, 22: b}, 0},
+		{3*RecordSize - 3, map[uint64]Figure{11: a, 22: b}, RecordSize},
+		{2*RecordSize - 3, map[uint64]Figure{22: b}, 2 * RecordSize},
+		{RecordSize, map[uint64]Figure{}, 3 * RecordSize},
+	} {
+		var read int64
+		c, err := Read(countFS{read: &read}, path, tc.limit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !maps.Equal(c.Figures, tc.want) || c.Skipped != tc.skipped || c.Torn != RecordSize-3 {
+			t.Errorf("limit %d: %+v; want figures %v, %d bytes skipped, a torn record", tc.limit, c, tc.want, tc.skipped)
+		}
+		if max := int64(len(magic)) + int64(len(whole)) - 3 - tc.skipped; read > max {
+			t.Errorf("limit %d: %d bytes read, want at most %d", tc.limit, read, max)
+		}
+	}
+}
+
+// TestReadOfALargeFileThatIsNotAJournalReadsOnlyItsFirstBytes: a start
+// finds garbage where its journal is; Read refuses it after its first
+// bytes, not after reading it whole.
+func TestReadOfALargeFileThatIsNotAJournalReadsOnlyItsFirstBytes(t *testing.T) {
+	path := filepath.Join(t.TempDir(), Prefix+"n")
+	if err := os.WriteFile(path, []byte("garbage!"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, 64<<20); err != nil { // sparse
+		t.Fatal(err)
+	}
+	var read int64
+	if _, err := Read(countFS{read: &read}, path, 0); !errors.Is(err, ErrNotJournal) {
+		t.Fatalf("Read = %v, want ErrNotJournal", err)
+	}
+	if read > int64(len(magic)) {
+		t.Fatalf("%d bytes read of a file that is not a journal, want %d at most", read, len(magic))
+	}
+	j, err := Open(fsys.OS{}, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	j.Close()
+	if fi, err := os.Stat(path); err != nil || fi.Size() != int64(len(magic)) {
+		t.Fatalf("after Open started it afresh: %v, %v; want an empty journal", fi, err)
 	}
 }
