@@ -54,14 +54,14 @@ func (l *logLines) count(words ...string) int {
 }
 
 // TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal (issue
-// 94, item 1): a fresh summary of node X, which holds no lock (no node
-// runs under its name), states untagged bytes of 2^62 or of the whole
-// bound.
+// 94, items 1 and 2): a fresh summary of node X, which holds no lock
+// (no node runs under its name), states untagged bytes of 2^62 or of the
+// whole bound, or a cluster capacity of 4096 bytes (less than one file).
 // Node A, bound 8 files, stores 12 keys beside it: every store succeeds
 // (evicting A's own oldest) within A's configured bound, and a warning
 // names X's summary file and the field refused. On the code before,
-// the untagged bytes counted against the bound, so A evicted its files
-// and failed its stores.
+// the untagged bytes counted against the bound and the capacity became
+// A's bound, so A evicted its files and failed its stores.
 func TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal(t *testing.T) {
 	file := oneFileBytes(t)
 	capacity := 8 * file
@@ -72,6 +72,7 @@ func TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal(t *testing.T) {
 	}{
 		{"untagged 2^62", "untagged", func(s *clustercap.Summary) { s.Untagged = clustercap.MaxBytes }},
 		{"untagged the bound", "untagged", func(s *clustercap.Summary) { s.Untagged = capacity }},
+		{"capacity 4096", "capacity", func(s *clustercap.Summary) { s.Capacity = 4096 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
@@ -95,5 +96,34 @@ func TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal(t *testing.T) {
 				t.Errorf("%d warnings name %s and refuse its %s, want one", n, path, tc.field)
 			}
 		})
+	}
+}
+
+// TestClusterRefusesABoundBelowOneFilePerNodeFromARunningNode (issue 94,
+// item 2): a running node B, holding its lock, configures a cluster
+// capacity of 4096 bytes, less than one file. Node A, bound 8 files,
+// does not apply it: it stores 12 keys within its own bound, and a
+// warning names B's summary file and says why.
+func TestClusterRefusesABoundBelowOneFilePerNodeFromARunningNode(t *testing.T) {
+	ctx := context.Background()
+	file := oneFileBytes(t)
+	capacity := 8 * file
+	dir := t.TempDir()
+	log, lines := lineLogger(t)
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: time.Hour}}, NodeID: "a", Logger: log})
+	b := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 4096, ClusterInterval: time.Hour}}, NodeID: "b"})
+	b.e.mounts[0].cluster.Tick(ctx)
+	m := a.e.mounts[0]
+	storeKeys(t, a, "first", 1, rand.New(rand.NewPCG(94, 2))) // A has seen a file's size
+	m.cluster.Tick(ctx)
+	r := rand.New(rand.NewPCG(94, 3))
+	if got := storeWithinBound(t, a, dir, "a", 12, capacity, r); got != 12 {
+		t.Errorf("A stored %d of 12 keys beside B's capacity of 4096 bytes, want all", got)
+	}
+	if got := m.cluster.Capacity(); got != capacity {
+		t.Errorf("A's bound beside B's capacity of 4096 bytes: %d, want its configured %d", got, capacity)
+	}
+	if n := lines.count("refused", clustercap.DirName+"/b.summary", "field=capacity"); n != 1 {
+		t.Errorf("%d warnings refuse B's capacity naming its summary file, want one", n)
 	}
 }

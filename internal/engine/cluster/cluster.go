@@ -140,6 +140,9 @@ type clusterAgree struct {
 	// refused holds the fields of peers' summaries refused (checkFields),
 	// by node and field: logged once while they stay so.
 	refused map[string]bool
+	// largest is the largest file this node counted or reserved on the
+	// mount: the bound's floor is one such file per live node.
+	largest int64
 }
 
 // heldProbe is what a probe of a peer's lock found (heldLocked).
@@ -149,6 +152,10 @@ type heldProbe struct {
 	at   int64  // when (Unix ns)
 	held bool   // the lock was held
 }
+
+// boundFloorFraction: no bound below this fraction of this node's
+// configured capacity is applied (checkFields).
+const boundFloorFraction = 16
 
 // clusterAdoption is the dead nodes this node adopted on a cluster mount
 // and the walks of their files (guarded by Mount.mu but where a
@@ -287,6 +294,7 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 			return
 		}
 		indexed += en.Size
+		c.largest = max(c.largest, en.Size)
 		o, ok := clustercap.Owner(en.FID)
 		switch {
 		case !ok:
@@ -629,7 +637,7 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 		_, was := c.untenable[s.Node]
 		untenable[s.Node] = s.Seq
 		if !was {
-			c.Log.Warn("engine: cluster: a summary states a claim that cannot hold: ignored (a forged or corrupt summary); remove the file if no such node runs",
+			c.Log.Warn("engine: cluster: a summary states a claim that cannot hold: ignored (a forged or corrupt summary, or a node configured far below the others); remove the file if no such node runs",
 				"mount", c.Root, "summary", c.dir.SummaryPath(s.Node), "why", why)
 		}
 	}
@@ -737,32 +745,46 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 
 // checkFields checks the fields of the live peers' summaries (c.peers)
 // that only a running node may state and that would stop every node's
-// stores if false: untagged bytes (they count against the bound) count
-// only from a node whose lock is held (heldLocked: anyone may write a
-// summary, but only a running node holds its lock). A field refused is
-// left out of the peer's summary as this node counts it, with one
-// warning naming the summary file while it stays so. Called with c.mu
-// held.
+// stores if false: a capacity below this node's configured one (it
+// lowers the bound) and untagged bytes (they count against it). Each
+// counts only from a node whose lock is held (heldLocked: anyone may
+// write a summary, but only a running node holds its lock), and a
+// capacity only at or above the bound's floor: a sixteenth of this
+// node's configured capacity, and one file (the largest this node saw)
+// per live node. A field refused is left out of the peer's summary as
+// this node counts it, with one warning naming the summary file while
+// it stays so. Called with c.mu held.
 func (c *Mount) checkFields(now int64) {
+	floor := max(c.configured.Capacity/boundFloorFraction, int64(len(c.peers)+1)*c.largest)
 	refused := map[string]bool{}
 	refuse := func(p *clustercap.Summary, field string, v int64, why string) {
 		key := p.Node + "\x00" + field
 		refused[key] = true
 		if !c.refused[key] {
-			c.Log.Warn("engine: cluster: a summary states what this node cannot take as true: refused, the field not counted (a forged or corrupt summary); remove the file if no such node runs",
+			c.Log.Warn("engine: cluster: a summary states what this node cannot take as true: refused, the field not counted (a forged or corrupt summary, or a node configured far below the others); remove the file if no such node runs",
 				"mount", c.Root, "summary", c.dir.SummaryPath(p.Node), "field", field, "value", v, "why", why)
 		}
 	}
 	for i, p := range c.peers {
-		if p.Untagged == 0 {
+		lowers := p.Capacity > 0 && p.Capacity < c.configured.Capacity
+		if !lowers && p.Untagged == 0 {
 			continue
 		}
-		if !c.heldLocked(p, now) {
-			refuse(p, "untagged", p.Untagged, "its node holds no lock, so runs nowhere: untagged bytes count only as seen by this node or a running one")
-			g := *p
-			g.Untagged = 0
-			c.peers[i] = &g
+		g := *p
+		held := c.heldLocked(p, now)
+		switch {
+		case lowers && !held:
+			refuse(p, "capacity", p.Capacity, "its node holds no lock, so runs nowhere: a capacity from it never lowers the bound")
+			g.Capacity = 0
+		case lowers && p.Capacity < floor:
+			refuse(p, "capacity", p.Capacity, fmt.Sprintf("below the floor of a bound, %d bytes: a sixteenth of this node's configured %d, and one file of %d bytes per live node", floor, c.configured.Capacity, c.largest))
+			g.Capacity = 0
 		}
+		if p.Untagged > 0 && !held {
+			refuse(p, "untagged", p.Untagged, "its node holds no lock, so runs nowhere: untagged bytes count only as seen by this node or a running one")
+			g.Untagged = 0
+		}
+		c.peers[i] = &g
 	}
 	c.refused = refused
 }
@@ -1364,6 +1386,7 @@ func (c *Mount) shareLocked() int64 {
 // for them may; the room is then asked (c.want, published) and err is
 // the refusal should the wait end without it. Called with c.mu held.
 func (c *Mount) reserveLocked(ctx context.Context, size int64) (starved bool, err error) {
+	c.largest = max(c.largest, size)
 	if c.own+size <= c.claim {
 		c.own += size
 		c.pending += size
