@@ -34,7 +34,7 @@ BLOCK, HEADS, HEAD = 16, 2, 64
 BPC = 2                        # blocks per key: "block_size": 32 tokens
 CHUNK = BPC * BLOCK
 NBLOCKS = 96
-WINDOW = BLOCK + 1             # a window of 17 tokens: the 2 blocks before the end
+WINDOW = BLOCK + 1             # 17 tokens: a token and the 16 before it, one block of a 2-block key
 CONV, SSM = (4, 256), (2, 16, 64)  # a Mamba layer's conv and SSM states (bf16): 6,144 bytes a block
 
 FULL = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
@@ -288,6 +288,25 @@ class HybridConnectorTest(HybridCase):
         for n in SWA:
             for j in range(first, 8 * BPC):
                 self.assertEqual(self.page(kv, n, dst[1][j]), self.page(kv, n, src[1][j]), (n, j))
+
+    def test_a_window_group_loads_its_window_where_full_attention_loads_the_prompt(self):
+        nblk = 16 * BPC + 1  # a 512-token prefix of 16 keys
+        loaded = {}
+        for kinds in (("full",), ("window",)):
+            sched, workers, _ = self.engine(seed=6, kinds=kinds, load_split="all")
+            (worker, _), = workers
+            tag = f"bytes-{kinds[0]}"
+            self.save_prompt(sched, workers, self.request(f"a-{kinds[0]}", tag, nblk), [list(range(1, 1 + nblk))])
+            dst = [list(range(40, 40 + nblk))]
+            end = 16 * BPC * BLOCK
+            self.assertEqual(self.load(sched, workers, self.request(f"b-{kinds[0]}", tag, nblk), dst, end), set())
+            loaded[kinds[0]] = worker.counters()["bytes_loaded"]
+        page = self.specs(("full",))[1][FULL[0]].page_size_bytes
+        self.assertEqual(loaded["full"], 16 * BPC * page * len(FULL))
+        # The window's one key (the daemon reads a key whole), not 16.
+        self.assertLessEqual(loaded["window"], BPC * page * len(SWA))
+        print(f"\n{self.api.name}: a {end}-token prefix, 2 layers of {page}-byte pages: full attention loads "
+              f"{loaded['full']} bytes, a {WINDOW}-token window {loaded['window']}", file=sys.stderr)
 
     def test_a_state_groups_claim_stops_at_its_last_saved_boundary(self):
         sched, workers, _ = self.engine(seed=5, load_split="all")
