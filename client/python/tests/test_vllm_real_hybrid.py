@@ -289,6 +289,23 @@ class HybridConnectorTest(HybridCase):
             for j in range(first, 8 * BPC):
                 self.assertEqual(self.page(kv, n, dst[1][j]), self.page(kv, n, src[1][j]), (n, j))
 
+    def test_window_and_state_stores_end_within_the_step_that_computed_them(self):
+        # vLLM frees a window's blocks, and a state group's earlier states,
+        # while the request runs: their stores end before wait_for_save
+        # returns, not after the request (as full attention's may).
+        from kvhost.vllm import connector
+        sched, workers, _ = self.engine(seed=8)
+        nblk = 4 * BPC + 1
+        src = [list(range(1, 1 + nblk)), list(range(20, 20 + nblk)), list(range(40, 40 + nblk))]
+        req = self.request("a", "sync-stores", nblk)
+        before = self.namespaces()
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        sched.update_state_after_alloc(req, self.group_blocks(src), 0)
+        self.step(sched, workers, self.group_output(new=[(req, src)], scheduled={req.request_id: req.num_tokens}))
+        got = {m: k for m, k, _ in self.stored_since(before)}
+        for g in (1, 2):
+            self.assertEqual(got.get(connector.geometry(sched._ident, 0, None, g).model), 4, (g, got))
+
     def test_a_window_group_loads_its_window_where_full_attention_loads_the_prompt(self):
         nblk = 16 * BPC + 1  # a 512-token prefix of 16 keys
         loaded = {}

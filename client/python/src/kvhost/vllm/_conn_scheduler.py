@@ -80,7 +80,7 @@ class ConnectorScheduler(_Half):
         # daemon_wait_s (frozen, stuck) stops every later one until a probe
         # thread finds it answering (_timed_out); unpins wait for that.
         self._unanswered, self._unpin_later = False, []
-        self.namespaces = [geometry(ident, r).model for r in range(self._tp)]
+        self.namespaces = [geometry(ident, r).model for r in range(self._ranks(0))]  # group 0's at each rank
         self._salts = o["salt_namespaces"]
         # The namespaces' names: None (the engine's) and each salt's name.
         self._ns_names = [None] + sorted(set(self._salts.values()))

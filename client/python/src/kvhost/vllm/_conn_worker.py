@@ -480,6 +480,12 @@ class ConnectorWorker(_Half):
         if self._usable() is None:
             self._stats["store_skipped_keys"] += sum(len(t.keys) for t in saves)
             return
+        freed = [t for t in saves if self._groups[t.group].kind in (groups_.WINDOW, groups_.STATE)]
+        if freed:
+            self._store_now(freed)
+            saves = [t for t in saves if self._groups[t.group].kind not in (groups_.WINDOW, groups_.STATE)]
+            if not saves:
+                return
         mark = self._mark()
         if mark is None:
             self._send_saves(saves)
@@ -493,6 +499,28 @@ class ConnectorWorker(_Half):
                                                 daemon=True)
                 self._sender.start()
             self._cv.notify_all()
+
+    def _store_now(self, saves):
+        """Stores of groups whose blocks vLLM frees while the request runs
+        (a window's blocks once they leave it, a state group's earlier
+        states): vLLM may give those blocks to another request in the next
+        step, so they are sent once the GPU has written them and waited
+        for here, daemon_wait_s at most (a store not ended by then is
+        logged: the daemon may read a reused block)."""
+        self._fence()
+        jobs = self._send_saves(saves)
+        until = time.monotonic() + self._opts["daemon_wait_s"]
+        for rid, job in jobs:
+            try:
+                wait_ended(job, self._opts["job_timeout_s"] or None, lambda: until,
+                           f"connector: store job of {rid}")
+            except TimeoutError:
+                self._stats["store_waits_given_up"] += 1
+                log.error("kvhost connector: a store of request %s's window or state blocks not ended by the daemon "
+                          "after %gs (%s): vLLM may reuse those blocks while it reads them", rid,
+                          self._opts["daemon_wait_s"], daemon_state(job._client))
+            except Exception as e:  # the keys are not stored: later lookups miss
+                log.debug("kvhost connector: store job of %s: %s", rid, e)
 
     def _mark(self):
         """For CUDA KV caches, an event recorded on vLLM's current stream
@@ -534,7 +562,8 @@ class ConnectorWorker(_Half):
                     self._cv.notify_all()
 
     def _send_saves(self, saves):
-        client = self._client
+        """Sends store jobs for saves; returns [(request id, job)]."""
+        client, sent = self._client, []
         for t in saves:
             for i in range(0, len(t.keys), p.MAX_KEYS_PER_REQUEST):
                 sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
@@ -554,6 +583,8 @@ class ConnectorWorker(_Half):
                     self._stores[t.req_id].append(job)
                     self._stats["store_jobs"] += 1
                     self._stats["store_keys"] += len(t.keys[sl])
+                sent.append((t.req_id, job))
+        return sent
 
     def _settle_stores(self, req_id, wait, until=None):
         """Drops req_id's finished store jobs (with wait, waiting for its
