@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/clustercap"
 	"github.com/kvhost/kvhost/internal/engine/cluster"
@@ -284,6 +285,66 @@ func (h clusterHost) AdoptFiles(ctx context.Context, tags map[uint32]bool, temps
 	}
 	err := walk(m.root)
 	return n, errors.Join(append(errs, err)...)
+}
+
+// Census walks m's data files for the cluster's census
+// (cluster.Census): every regular file whose name does not start with a
+// dot (metadata, temporary and spare files do), with its identity from
+// the listing's lstat and its header's file id read on demand, and the
+// node that each temporary file names. A directory it cannot list, or a
+// file it cannot stat, is passed over (the next census tries again).
+func (h clusterHost) Census(ctx context.Context, file func(path string, id fsys.Identity, header func() (uint64, error)) error, temp func(node string)) error {
+	e, m := h.e, h.m
+	var walk func(dir string) error
+	walk = func(dir string) error {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		ents, err := e.fs.ReadDir(dir)
+		if err != nil {
+			return nil
+		}
+		for _, d := range ents {
+			name := d.Name()
+			path := filepath.Join(dir, name)
+			switch {
+			case strings.HasPrefix(name, "."):
+				if rest, ok := tempRest(name); ok && d.Type().IsRegular() {
+					if node, _, owned := tempOwner(rest); owned {
+						temp(node)
+					}
+				}
+			case d.IsDir():
+				if err := walk(path); err != nil {
+					return err
+				}
+			case d.Type().IsRegular():
+				fi, err := d.Info()
+				if err != nil {
+					continue
+				}
+				id, err := fsys.IdentityOf(fi)
+				if err != nil {
+					continue
+				}
+				header := func() (uint64, error) {
+					en, err := e.hd.readEntry(m.idx, path)
+					if short := (*shortFileError)(nil); errors.As(err, &short) {
+						return short.en.FID, nil
+					}
+					if err != nil {
+						return 0, err
+					}
+					return en.FID, nil
+				}
+				if err := file(path, id, header); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	}
+	return walk(m.root)
 }
 
 // readFailed reports whether err, readEntry's, is the file system's

@@ -59,8 +59,9 @@ type Mount struct {
 	clusterFlocks
 	clusterTwin
 	clusterAgree
-	lost  bool  // the last read or write of the directory failed
-	since int64 // foreign uses after this time are reported (Unix ns)
+	census census // what the last census of the mount found (census.go)
+	lost   bool   // the last read or write of the directory failed
+	since  int64  // foreign uses after this time are reported (Unix ns)
 	// floor holds, per file id of this node's, the highest rank another
 	// node reported for its use of the file (Touch.Rank): the file ranks
 	// at least that high here. Entries of files gone are dropped by count.
@@ -127,6 +128,7 @@ type clusterAgree struct {
 	// logged.
 	untagged, untaggedAll, untaggedSaid int64
 	untaggedPath, untaggedFrom          string
+	writersSaid                         string // the writers the last warning of them named
 	// unowned is the bytes of files with no file id (written before ids)
 	// this node indexes on the mount (count), one of them at
 	// unownedPath: agree adds those of tags no summary names to make
@@ -729,16 +731,33 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 			c.untaggedPath = p
 		}
 	}
+	// The census finds the files of writers beside the cluster that no
+	// lookup brought into the index, and names the writers it can.
+	nodes := map[string]bool{c.Node: true}
+	for _, s := range slices.Concat(c.peers, dead) {
+		nodes[s.Node] = true
+	}
+	for node := range c.bad {
+		nodes[node] = true
+	}
+	for _, node := range c.dir.Adopted() {
+		nodes[node] = true
+	}
+	found, path, writers := c.censusUntagged(named, nodes)
+	if found > c.untagged {
+		c.untagged, c.untaggedPath = found, path
+	}
 	if c.untagged > c.untaggedAll {
 		c.untaggedAll, c.untaggedFrom = c.untagged, c.Node
 	}
+	note := writersNote(writers)
 	switch {
 	case c.untaggedAll == 0:
-		c.untaggedSaid = 0
-	case c.untaggedSaid == 0 || c.untaggedAll >= 2*c.untaggedSaid:
-		c.untaggedSaid = c.untaggedAll
+		c.untaggedSaid, c.writersSaid = 0, ""
+	case c.untaggedSaid == 0 || c.untaggedAll >= 2*c.untaggedSaid || len(writers) > 0 && note != c.writersSaid:
+		c.untaggedSaid, c.writersSaid = c.untaggedAll, note
 		c.Log.Warn("engine: cluster: files without an owner tag (written by a kvhost before owner tags, or one without a cluster capacity, beside the cluster) are on the mount: they count against the bound, and no node evicts them; stop the daemon that writes them, and remove them or give it the cluster's settings",
-			"mount", c.Root, "bytes", c.untaggedAll, "found_by", c.untaggedFrom, "bound", bound, "example", c.untaggedPath)
+			"mount", c.Root, "bytes", c.untaggedAll, "found_by", c.untaggedFrom, "bound", bound, "example", c.untaggedPath, "writers", note)
 	}
 	return counted
 }

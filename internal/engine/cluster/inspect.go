@@ -17,6 +17,7 @@ type View struct {
 	LockShared []string        // what its summary publishes of Shared
 	Unclaimed  int             // the dead nodes' summaries no live node counts yet
 	Dead       map[uint32]bool // the adopted dead nodes' tags
+	Untagged   int64           // the bytes of files no summary counts that this node found (index, census)
 	Sketch     clustercap.Sketch
 }
 
@@ -30,6 +31,7 @@ func (c *Mount) Inspect() View {
 		LockShared: c.lockShared(),
 		Unclaimed:  len(c.unclaimed),
 		Dead:       maps.Clone(*c.dead.Load()),
+		Untagged:   c.untagged,
 		Sketch:     c.lastSketch()}
 }
 

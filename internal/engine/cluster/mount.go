@@ -191,28 +191,41 @@ type Run struct {
 	wg     sync.WaitGroup
 }
 
-// Start starts one loop per mount of ms. Its ticks run under a context
-// of their own, which Close ends: an adoption walk of the mount under
-// way stops at its next file, Close does not wait for it.
+// Start starts two loops per mount of ms: its ticks, and its census
+// (census.go) every censusIntervals of its interval. They run under a
+// context of their own, which Close ends: an adoption walk or census of
+// the mount under way stops at its next file, Close does not wait for
+// it.
 func (r *Run) Start(ctx context.Context, ms []*Mount) {
 	ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	r.ctx = ctx
 	for _, c := range ms {
-		r.wg.Add(1)
-		go func() {
-			defer r.wg.Done()
-			t := time.NewTicker(c.interval)
-			defer t.Stop()
-			for {
-				select {
-				case <-ctx.Done():
-					return
-				case <-t.C:
-					c.Tick(ctx)
-				}
+		r.every(ctx, c.interval, func() { c.Tick(ctx) })
+		r.every(ctx, censusIntervals*c.interval, func() {
+			if err := c.runCensus(ctx); err != nil && ctx.Err() == nil {
+				c.Log.Warn("engine: cluster: a census of the mount's files", "mount", c.Root, "err", err)
 			}
-		}()
+		})
 	}
+}
+
+// every runs fn every period (a run that takes longer skips the ticks it
+// covers) until ctx ends.
+func (r *Run) every(ctx context.Context, period time.Duration, fn func()) {
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		t := time.NewTicker(period)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				fn()
+			}
+		}
+	}()
 }
 
 // Done is closed once Close ends the loops' context (nil before Start):
