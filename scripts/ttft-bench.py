@@ -244,7 +244,7 @@ class Bench:
                           head_dim=a.head_dim, mlp=a.mlp, vocab=a.vocab)
         self.model = Model(self.cfg, self.dev, seed=a.seed)
         bt = self.cfg.block_tokens
-        self.num_blocks = (max(a.sizes) + a.suffix + bt - 1) // bt + 1
+        self.num_blocks = (max(a.sizes) + a.suffix + bt - 1) // bt + 2  # the request's, one spare, the null block
         self.host_buf = None
         if self.cuda:
             self.cache = self.model.new_cache(self.num_blocks)
@@ -258,8 +258,9 @@ class Bench:
             region = client.register_buffer(self.host_buf)
             base = 0
         g = torch.Generator().manual_seed(a.seed + 1)
-        # The request's blocks: a permutation, as a paged cache hands them out.
-        self.table = torch.randperm(self.num_blocks, generator=g).to(self.dev)
+        # The request's blocks: a permutation, as a paged cache hands them
+        # out, of every block but 0 (vLLM's null block, never a request's).
+        self.table = (torch.randperm(self.num_blocks - 1, generator=g) + 1).to(self.dev)
         self.table_list = self.table.tolist()
         geometry = kvhost.Geometry(
             model=f"ttft-bench/random-llama-{a.layers}x{a.hidden}-seed{a.seed}", layers=a.layers,

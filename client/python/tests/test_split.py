@@ -114,5 +114,64 @@ class LoadRateRecoveryTest(unittest.TestCase):
             model(recover_s=-1.0)
 
 
+class PipelineTest(unittest.TestCase):
+    """The TTFT of a layer-wise load is a pipeline of layer groups: a
+    group is computed once it has arrived."""
+
+    def pipelined(self, gbps, **kw):
+        kw.setdefault("layers", 32)
+        return CostModel(LLAMA_BYTES_PER_TOKEN, gbps, prefill_s_per_token=2e-5, prefill_s_per_token2=1e-9, **kw)
+
+    def test_a_slow_mount_loads_one_layer_per_job_a_fast_one_the_most(self):
+        cases = [(1.6, 32768, 1), (1.6, 2560, 1), (50.0, 32768, 4), (50.0, 8192, 4), (10.0, 8192, 3)]
+        for gbps, tokens, want in cases:
+            with self.subTest(gbps=gbps, tokens=tokens):
+                self.assertEqual(self.pipelined(gbps, layers_per_load=4, job_s=0.012).layers_per_job(tokens), want)
+
+    def test_the_pipelined_ttft_lies_between_the_max_and_the_sum_of_load_and_compute(self):
+        for gbps in (0.5, 2.0, 10.0, 50.0):
+            for k in (256, 4096, 16384, 32768):
+                with self.subTest(gbps=gbps, k=k):
+                    m = self.pipelined(gbps)
+                    load, comp = m.load_s(k), m.compute_s(32768 + 512, k)
+                    t = m.ttft_s(32768 + 512, 0, k)
+                    self.assertGreaterEqual(t, max(load, comp) * (1 - 1e-12))
+                    self.assertLessEqual(t, (load + comp) * (1 + 1e-12))
+
+    def test_even_load_and_compute_cost_about_a_group_more_with_four_layer_jobs(self):
+        # Where the load and the computation of the rest are even, a job of
+        # four layers leaves the GPU idle for about a group's computation.
+        one, four = self.pipelined(2.0, layers_per_load=1), self.pipelined(2.0, layers_per_load=4, job_s=1.0)
+        total = 32768 + 512
+        k = min(range(0, 32769, 256), key=lambda k: abs(one.load_s(k) - one.compute_s(total, k)))
+        comp = one.compute_s(total, k)
+        self.assertLess(one.ttft_s(total, 0, k), max(one.load_s(k), comp) * 1.06)
+        self.assertGreater(four.ttft_s(total, 0, k) - one.ttft_s(total, 0, k), 2 * comp / 32)
+
+    def test_the_split_is_the_largest_boundary_within_min_gain_of_the_least_pipelined_ttft(self):
+        import random
+        r = random.Random(92)
+        for _ in range(1500):
+            gbps, chunk = r.choice([0.5, 1.6, 2, 10, 50, 200]), r.choice([16, 256, 512])
+            prefix, suffix = r.randrange(0, 40000), r.randrange(1, 4000)
+            computed = r.randrange(0, prefix + 1) // 16 * 16
+            hit, total = r.randrange(computed, prefix + 1), prefix + suffix
+            m = self.pipelined(gbps, layers_per_load=r.choice([1, 2, 4]), shape=r.choice(["ramp", "even"]))
+            k = m.split(total, computed, hit, chunk)
+            first, last = (computed // chunk + 1) * chunk, min(hit, total) // chunk * chunk
+            cands = [computed] + list(range(first, last + 1, chunk))
+            limit = min(m.ttft_s(total, computed, c) for c in cands) * (1 + m.min_gain)
+            self.assertIn(k, cands)
+            self.assertLessEqual(m.ttft_s(total, computed, k), limit * (1 + 1e-12), (gbps, chunk, total, computed, hit))
+            self.assertFalse([c for c in cands if c > k and m.ttft_s(total, computed, c) <= limit * (1 - 1e-12)],
+                             (gbps, chunk, total, computed, hit, k))
+
+    def test_bad_pipeline_options_are_refused_by_name(self):
+        for key, value in (("layers", 0), ("layers_per_load", 1.5), ("shape", "odd"), ("job_s", -1)):
+            with self.subTest(key=key):
+                with self.assertRaisesRegex(ValueError, "layer_groups" if key == "shape" else key):
+                    self.pipelined(2.0, **{key: value})
+
+
 if __name__ == "__main__":
     unittest.main()

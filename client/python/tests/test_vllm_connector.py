@@ -502,6 +502,33 @@ class DaemonTest(unittest.TestCase):
                 self.assertEqual(c.get("load_failed_keys", 0), 0)
                 self.assertGreater(sched.counters()["load_measurements"], 0)
 
+    def test_a_steps_load_jobs_hold_as_many_layers_as_the_learned_rate_moves_in_a_job(self):
+        # A fast mount's jobs hold layers_per_load layers (ramp: 1, 2, 1
+        # of 4 layers); a mount so slow that one layer outlasts
+        # load_job_ms gets a job per layer.
+        for gbps, jobs in ((1e6, 3), (1e-7, LAYERS)):
+            with self.subTest(gbps=gbps):
+                sched, worker, kv = self.pair(seed=5, load_split="all", layers_per_load=2, load_gbps=gbps,
+                                              load_rate_recover_s=0)
+                nblk = 2 * BPC + 1
+                src = list(range(1, 1 + nblk))
+                tag = f"sized-{gbps}"
+                self.save_prompt(sched, worker, Request("a", tag, nblk), src)
+                want = self.rows(kv, src[:2 * BPC])
+                req = Request("b", tag, nblk)
+                self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (2 * CHUNK, False))
+                dst = list(range(30, 30 + nblk))
+                sched.update_state_after_alloc(req, dst, 2 * CHUNK)
+                before = worker.counters().get("load_jobs", 0)
+                meta = pickle.loads(pickle.dumps(sched.build_connector_meta(new_output(req, dst, 2 * CHUNK, BLOCK))))
+                _, errors, _ = worker_step(worker, meta, ())
+                self.assertEqual(errors, set())
+                self.assertEqual(self.rows(kv, dst[:2 * BPC]), want)
+                if not worker.counters()["layer_loads"]:
+                    self.skipTest("the daemon loads no layer ranges")
+                self.assertEqual(meta.layers_per_load, 2 if jobs == 3 else 1)
+                self.assertEqual(worker.counters()["load_jobs"] - before, jobs)
+
     def test_the_measured_load_time_leaves_out_the_work_between_layers(self):
         # The split's rate is the daemon's: a worker held between layers
         # (its forward pass, host work) must not make the mount look slow.

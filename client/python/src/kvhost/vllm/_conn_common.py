@@ -19,7 +19,7 @@ from . import spec_compat as sc
 from ._common import (DAEMON_WAIT_S, Reconnects, check_daemon_wait, check_request_timeout, check_seconds,
                       merge_options)
 from ._removals import parse_media
-from ._split import CostModel
+from ._split import CostModel, layer_groups  # noqa: F401 (layer_groups: re-exported)
 
 IDENTITY_FORMAT = "kvhost-vllm-connector-v1"
 
@@ -42,6 +42,7 @@ OPTIONS = {
     "mount_media": None,        # {daemon mount index: medium name}: a move between media is reported
     "layers_per_load": 4,       # layers per load job (4: the fastest on the H200; 1: every layer waits only for its own)
     "layer_groups": "ramp",     # "ramp": the first and last load jobs one layer each, the rest layers_per_load; "even"
+    "load_job_ms": 12.0,        # a step's load jobs hold as many layers as move in this at the learned rate, at most layers_per_load (0: always layers_per_load)
     "load_split": "auto",       # "auto": load or recompute; "all": claim every cached token; "off": load nothing
     "load_gbps": 2.0,           # the load rate the split starts from (GB/s, per worker), then measured
     "load_latency_ms": 1.0,     # a load's fixed cost
@@ -128,7 +129,7 @@ def options(extra):
     if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb <= 0):
         raise ValueError(f"kvhost.vllm: page_bytes: want bytes per layer and GPU block (an integer > 0), got {pb!r}")
     for k in ("load_gbps", "load_latency_ms", "prefill_us_per_token", "prefill_ns_per_token2", "prefill_fixed_ms",
-              "split_min_gain", "load_rate_alpha", "load_rate_recover_s"):
+              "split_min_gain", "load_rate_alpha", "load_rate_recover_s", "load_job_ms"):
         v, least = o[k], 0 if k != "load_gbps" else math.ulp(0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not least <= v < 1e12:
             raise ValueError(f"kvhost.vllm: {k}: want a number {'> 0' if least else '>= 0'}, got {v!r}")
@@ -137,25 +138,13 @@ def options(extra):
     return o
 
 
-def layer_groups(layers, per_load, shape="ramp"):
-    """The (first, count) layer ranges of one step's load jobs, in layer
-    order: per_load layers each ("even"), or ("ramp") the first and the
-    last one layer each and per_load layers each between them. Where the
-    loads are slower than the forward pass, layer 0 waits for the first
-    job and the last job's layers are computed after every load has
-    ended: one-layer ends shorten both, and the larger jobs between them
-    keep the daemon's cost per job low."""
-    if shape == "even" or per_load == 1 or layers <= 2:
-        return [(f, min(per_load, layers - f)) for f in range(0, layers, per_load)]
-    inner = [(f, min(per_load, layers - 1 - f)) for f in range(1, layers - 1, per_load)]
-    return [(0, 1)] + inner + [(layers - 1, 1)]
-
-
-def cost_model(o, bytes_per_token):
-    """The split's CostModel of options o, for bytes_per_token."""
+def cost_model(o, bytes_per_token, layers=1):
+    """The split's CostModel of options o, for bytes_per_token of loads
+    cut across layers (the load jobs' layer groups)."""
     return CostModel(bytes_per_token, o["load_gbps"], o["load_latency_ms"] / 1e3, o["prefill_us_per_token"] / 1e6,
                      o["prefill_ns_per_token2"] / 1e9, o["prefill_fixed_ms"] / 1e3, o["split_min_gain"],
-                     o["load_rate_alpha"], o["load_rate_recover_s"])
+                     o["load_rate_alpha"], o["load_rate_recover_s"], layers=layers,
+                     layers_per_load=o["layers_per_load"], shape=o["layer_groups"], job_s=o["load_job_ms"] / 1e3)
 
 
 # -- identity ------------------------------------------------------------------
@@ -274,15 +263,20 @@ class ConnectorMetadata:
     the step's number (its loads' end is reported back with it; 0 for
     metadata built by hand), and errors: GPU block ids the workers report
     as load errors at once (a claim one of whose groups could not be
-    loaded: vLLM recomputes from there). Picklable."""
+    loaded: vLLM recomputes from there); layers_per_load: the layers in
+    each of the step's load jobs, sized by the scheduler's cost model to
+    the load's bytes and the learned rate (0: the workers' option).
+    Picklable."""
 
-    def __init__(self, loads=(), saves=(), preempted=(), step=0, errors=()):
+    def __init__(self, loads=(), saves=(), preempted=(), step=0, errors=(), layers_per_load=0):
         self.loads, self.saves, self.preempted = list(loads), list(saves), set(preempted)
         self.step = int(step)
         self.errors = list(errors)
+        self.layers_per_load = int(layers_per_load)  # of the step's load jobs (0: the workers' option)
 
     def __reduce__(self):
-        return (ConnectorMetadata, (self.loads, self.saves, self.preempted, self.step, self.errors))
+        return (ConnectorMetadata, (self.loads, self.saves, self.preempted, self.step, self.errors,
+                                    self.layers_per_load))
 
 
 class WorkerMeta:

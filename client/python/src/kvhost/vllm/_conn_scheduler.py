@@ -64,7 +64,7 @@ class ConnectorScheduler(_Half):
         self._hpc = self._chunk // self._tph
         self._tp = groups_.shards(config)
         layers = len(grp["layer_names"])
-        self.cost = cost_model(o, ident["page_bytes"] * layers / self._tpb)
+        self.cost = cost_model(o, ident["page_bytes"] * layers / self._tpb, layers)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._reqs = {}
@@ -426,6 +426,16 @@ class ConnectorScheduler(_Half):
             if isinstance(e, TimeoutError):
                 self._timed_out(client, e)
 
+    def _layers_per_job(self, loads):
+        """The layers per load job of a step's loads: sized to the tokens
+        the step loads (its first KV-cache group's keys) at the learned
+        rate (CostModel.layers_per_job); layers_per_load with load_job_ms 0."""
+        if not loads or self._opts["load_job_ms"] <= 0:
+            return 0
+        first = min(getattr(t, "group", 0) for t in loads)
+        tokens = sum(len(t.keys) for t in loads if getattr(t, "group", 0) == first) * self._chunk
+        return self.cost.layers_per_job(tokens)
+
     def build_connector_meta(self, scheduler_output):
         """The step's ConnectorMetadata: the loads update_state_after_alloc
         recorded, and the chunks of prompts this step completes (whole
@@ -457,8 +467,8 @@ class ConnectorScheduler(_Half):
         self._steps += 1
         self._note_work(scheduler_output, sched)
         errors = [b for ids in self._load_errors.values() for b in ids]
-        meta = ConnectorMetadata([t for ts in self._loads.values() for t in ts], saves, preempted, self._steps,
-                                 errors)
+        loads = [t for ts in self._loads.values() for t in ts]
+        meta = ConnectorMetadata(loads, saves, preempted, self._steps, errors, self._layers_per_job(loads))
         self._load_errors = {}
         for t in meta.loads:
             st = self._reqs.get(t.req_id)

@@ -252,7 +252,8 @@ class ConnectorWorker(_Half):
         ranges, where = {}, {}  # (group, layer group) -> (first, count); layer name -> its (group, layer group)
         for g in self._groups:
             nl = len(g.layer_names)
-            lgs = layer_groups(nl, self._opts["layers_per_load"] if ranged else nl, self._opts["layer_groups"])
+            per_load = getattr(meta, "layers_per_load", 0) or self._opts["layers_per_load"]
+            lgs = layer_groups(nl, per_load if ranged else nl, self._opts["layer_groups"])
             for lg, (first, count) in enumerate(lgs):
                 ranges[(g.index, lg)] = (first, count, len(lgs) > 1)
                 for n in g.layer_names[first:first + count]:

@@ -17,6 +17,15 @@ the T - K tokens after K cached ones has a linear term and a quadratic
     load(n)       = n * bytes_per_token / rate + latency      (0 for n = 0)
     compute(T, K) = s * (fixed + a * (T - K) + b * (T^2 - K^2) / 2)
 
+The max is what a perfect pipeline reaches. The loads come in jobs of
+whole layer groups (layer_groups), and a group's layers are computed only
+once the group has arrived, so the model runs the pipeline: group j
+arrives at latency + load x (layers up to j) / L and is computed after
+both its arrival and the group before it. Where load and computation
+are about even, that costs about one group's work, which is why a slow
+mount gets one layer per job: the jobs are sized (layers_per_job) to
+move about job_s seconds at the rate, between 1 and the configured most.
+
 The rate is learned from the loads the workers time (observe_load); the
 prefill model's shape (fixed, a, b) is configured and its scale s learned
 from the forward passes the workers time (observe_compute), so that a
@@ -36,6 +45,22 @@ import math
 import threading
 import time
 
+SHAPES = ("ramp", "even")
+
+
+def layer_groups(layers, per_load, shape="ramp"):
+    """The (first, count) layer ranges of one step's load jobs, in layer
+    order: per_load layers each ("even"), or ("ramp") the first and the
+    last one layer each and per_load layers each between them. Where the
+    loads are slower than the forward pass, layer 0 waits for the first
+    job and the last job's layers are computed after every load has
+    ended: one-layer ends shorten both, and the larger jobs between them
+    keep the daemon's cost per job low."""
+    if shape == "even" or per_load == 1 or layers <= 2:
+        return [(f, min(per_load, layers - f)) for f in range(0, layers, per_load)]
+    inner = [(f, min(per_load, layers - 1 - f)) for f in range(1, layers - 1, per_load)]
+    return [(0, 1)] + inner + [(layers - 1, 1)]
+
 
 class CostModel:
     """The load and prefill costs the split weighs.
@@ -51,7 +76,11 @@ class CostModel:
     recomputed cost the GPU's time for other requests too). recover_s:
     while no load is measured, the learned rate moves half of the way
     back to load_gbps every recover_s seconds (0: never). clock: the
-    monotonic clock in seconds (tests pass their own)."""
+    monotonic clock in seconds (tests pass their own). layers: the
+    layers a load is cut across (1: no pipeline, the max of load and
+    compute); layers_per_load: the most layers in one load job; shape:
+    layer_groups' shape; job_s: the seconds of load a job is sized to
+    (layers_per_job)."""
 
     # A forward pass the model prices below this is not taken into the
     # scale: decode steps and small chunks cost what the model's prefill
@@ -60,17 +89,25 @@ class CostModel:
 
     def __init__(self, bytes_per_token, load_gbps, load_latency_s=0.0, prefill_s_per_token=2.0e-5,
                  prefill_s_per_token2=1.0e-9, prefill_fixed_s=0.0, min_gain=0.05, alpha=0.2, recover_s=30.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, layers=1, layers_per_load=4, shape="ramp", job_s=0.008):
         for name, v in (("bytes_per_token", bytes_per_token), ("load_gbps", load_gbps)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ValueError(f"kvhost.vllm: {name}: want a number > 0, got {v!r}")
         for name, v in (("load_latency_s", load_latency_s), ("prefill_s_per_token", prefill_s_per_token),
                         ("prefill_s_per_token2", prefill_s_per_token2), ("prefill_fixed_s", prefill_fixed_s),
-                        ("min_gain", min_gain), ("recover_s", recover_s)):
+                        ("min_gain", min_gain), ("recover_s", recover_s), ("job_s", job_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"kvhost.vllm: {name}: want a number >= 0, got {v!r}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
             raise ValueError(f"kvhost.vllm: alpha: want 0 < alpha <= 1, got {alpha!r}")
+        for name, v in (("layers", layers), ("layers_per_load", layers_per_load)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kvhost.vllm: {name}: want an integer >= 1, got {v!r}")
+        if shape not in SHAPES:
+            raise ValueError(f"kvhost.vllm: layer_groups: want one of {', '.join(SHAPES)}, got {shape!r}")
+        self.layers, self.max_layers_per_load, self.shape = layers, layers_per_load, shape
+        self.job_s = float(job_s)
+        self._ends_cache = {}
         self.bytes_per_token = float(bytes_per_token)
         self._prior = float(load_gbps) * 1e9  # bytes per second: the configured rate
         self._learned = self._prior  # the rate as of the last measurement
@@ -157,10 +194,64 @@ class CostModel:
             return 0.0
         return self._scale * (self.fixed + self.a * n + self.b * (total * total - cached * cached) / 2.0)
 
+    def layers_per_job(self, tokens):
+        """Layers per load job for a load of tokens tokens: as many as the
+        rate moves in job_s (a job's fixed cost is then small beside its
+        bytes), at least 1, at most layers_per_load. At tmpfs rates that is
+        the most; from a disk, one: the pipeline then waits for one layer
+        at its ends, not for a group."""
+        cap = self.max_layers_per_load
+        if cap <= 1 or self.layers <= 1 or tokens <= 0 or self.job_s <= 0:
+            return cap
+        layer_s = tokens * self.bytes_per_token / self.layers / self._rate
+        return max(1, min(cap, int(self.job_s / layer_s)))
+
     def ttft_s(self, total, computed, k):
         """The modelled time to first token when k tokens are cached after
-        loading k - computed of them."""
-        return max(self.load_s(k - computed), self.compute_s(total, k))
+        loading k - computed of them: the pipeline of their layer groups
+        (layers_per_job) beside the computation of tokens k..total."""
+        return self._pipeline(total, computed, k, self._rate, self._scale)
+
+    def _pipeline(self, total, computed, k, rate, scale):
+        n = k - computed
+        comp = 0.0
+        if k < total:
+            comp = scale * (self.fixed + self.a * (total - k) + self.b * (float(total) * total - float(k) * k) / 2.0)
+        if n <= 0:
+            return comp
+        load = n * self.bytes_per_token / rate
+        lat = self.load_latency_s
+        if self.layers <= 1:
+            return max(load + lat, comp)
+        # Group j (count_j layers, through_j layers up to and with it)
+        # arrives at lat + pl * through_j and is computed after it and the
+        # group before: the last group ends at the largest over j of its
+        # arrival plus the computation of it and every later group,
+        #   lat + pc * L + max_j ((pl - pc) * through_j + pc * count_j),
+        # linear in through_j within a run of equal groups, so only each
+        # run's ends are weighed (_ends).
+        pl, pc = load / self.layers, comp / self.layers
+        d = pl - pc
+        return lat + pc * self.layers + max(d * through + pc * count for through, count in self._ends(n))
+
+    def _ends(self, tokens):
+        """The (through, count) of the first and last group of each run of
+        equal layer groups of a load of tokens (cached per job size)."""
+        per = self.layers_per_job(tokens)
+        ends = self._ends_cache.get(per)
+        if ends is None:
+            ends, through, prev = [], 0, None
+            for _, count in layer_groups(self.layers, per, self.shape):
+                through += count
+                if count != prev:
+                    ends.append((through, count))
+                elif len(ends) >= 2 and ends[-1][1] == count and ends[-2][1] == count:
+                    ends[-1] = (through, count)
+                else:
+                    ends.append((through, count))
+                prev = count
+            self._ends_cache[per] = ends
+        return ends
 
     def split(self, total, computed, hit, chunk):
         """The tokens to have cached after the load, K: computed (load
@@ -175,43 +266,37 @@ class CostModel:
         hi = min(hit, total) // chunk
         if hi < lo:
             return computed
-        per, lat = self.bytes_per_token / self._rate, self.load_latency_s
-        s = self._scale
-        a, half_b, fixed, t2 = s * self.a, s * self.b / 2.0, s * self.fixed, float(total) * total
+        rate, scale = self._rate, self._scale  # one reading for the whole search
+        cache = {}
 
-        def ttft(m):  # m boundaries of chunk tokens cached: max(load, compute)
-            k = m * chunk
-            load = (k - computed) * per + lat if k > computed else 0.0
-            comp = fixed + a * (total - k) + half_b * (t2 - float(k) * k) if k < total else 0.0
-            return load if load > comp else comp, load >= comp
+        def ttft(m):  # m boundaries of chunk tokens cached (lo - 1: load nothing)
+            t = cache.get(m)
+            if t is None:
+                t = cache[m] = self._pipeline(total, computed, max(m * chunk, computed) if m >= lo else computed,
+                                              rate, scale)
+            return t
 
-        t_hi, over = ttft(hi)
-        if not over:
-            return hi * chunk  # the whole hit loads within the computation of the rest
-        # load(K_m) grows and compute(K_m) falls with m: bisect for the
-        # first boundary where the load is no shorter than the computation.
-        x, y = lo, hi
-        while x < y:
-            m = (x + y) // 2
-            if ttft(m)[1]:
-                y = m
+        # The least TTFT: the load grows and the computation of the rest
+        # falls with m, so the modelled TTFT falls, then rises. Ternary
+        # steps narrow [lo - 1, hi] to a few boundaries, which are tried.
+        x, y = lo - 1, hi
+        while y - x > 3:
+            m1, m2 = x + (y - x) // 3, y - (y - x) // 3
+            if ttft(m1) <= ttft(m2):
+                y = m2
             else:
-                x = m + 1
-        best_m, best = None, ttft(0)[0] if computed == 0 else self.ttft_s(total, computed, computed)
-        for m in sorted({lo, max(lo, x - 1), x}):
-            t = ttft(m)[0]
-            if t <= best:
-                best_m, best = m, t
-        # Beyond the crossing the TTFT is the load's, growing with K: the
-        # largest boundary within min_gain of the best (lo - 1 stands for
-        # loading nothing).
+                x = m1
+        best_m = min(range(x, y + 1), key=lambda m: (ttft(m), -m))
+        best = ttft(best_m)
+        # Past it the TTFT is the load's, growing with m: the largest
+        # boundary within min_gain of the least.
         limit = best * (1.0 + self.min_gain)
-        if t_hi <= limit:
+        if ttft(hi) <= limit:
             return hi * chunk
-        x, y = (lo - 1 if best_m is None else best_m), hi
+        x, y = best_m, hi
         while x < y:
             m = (x + y + 1) // 2
-            if ttft(m)[0] <= limit:
+            if ttft(m) <= limit:
                 x = m
             else:
                 y = m - 1
