@@ -164,6 +164,7 @@ test: tools build wasm lint
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) $(GO) test -count=1 -run '^TestBuiltinsPass$$' ./host/policy/conformance
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-race test-python
 	$(MAKE) --no-print-directory test-cluster-bounded
+	$(MAKE) --no-print-directory test-objects
 	$(MAKE) --no-print-directory fuzz
 
 # The race suite, as `make test` runs it (after compiling the plugins
@@ -227,6 +228,15 @@ test-cluster-bounded: build
 		$(GO) test -race -count=1 -v -timeout 5m -run "$(CLUSTER_BOUNDED_RUN)" ./internal/reliability && \
 		cd client/python && KVHOST_BIN=$(CURDIR)/bin/kvhost PYTHONPATH=src:tests \
 		/usr/bin/python3 -m unittest -v test_vllm_removals.TestSharedClusterMount'
+
+# The object mount's tests (docs/object.md) against a one-host Ceph RGW
+# (scripts/rgw.sh, which installs Ceph's Debian packages if missing; needs
+# root): two engines sharing one bucket and no directory, faults, the
+# benchmark once; torn down afterwards, whatever the result.
+.PHONY: test-objects
+test-objects:
+	scripts/rgw.sh run --skip-uninstallable \
+		$(GO) test -race -count=1 -v -timeout 10m -bench . -benchtime 1x ./internal/objstore
 
 # Container images (deploy/docker): the daemon's, which deploy/kubernetes
 # runs as kvhost:dev, and vLLM's with kvhost's client. IMAGE=NAME:TAG

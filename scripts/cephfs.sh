@@ -355,6 +355,9 @@ stop_daemons() {
 	done
 }
 
+# Sourced (scripts/rgw.sh): the functions above only.
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
+
 cmd=${1:-}
 case "$cmd" in
 install)

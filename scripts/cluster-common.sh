@@ -166,7 +166,15 @@ sweep_stale_runs() {
 
 # runner_alive PID: PID is a live run of a cluster script.
 runner_alive() {
-	[ -n "$1" ] && tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -Eq '(cephfs|glusterfs)\.sh run '
+	[ -n "$1" ] && tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -Eq '(cephfs|glusterfs|rgw)\.sh run '
+}
+
+# run_cmd MOUNTS CMD...: CMD with KVHOST_CLUSTER_MOUNTS set to MOUNTS; a
+# script may define its own after sourcing this (rgw.sh).
+run_cmd() {
+	local mounts=$1
+	shift
+	KVHOST_CLUSTER_MOUNTS=$mounts "$@"
 }
 
 # run_suite [--skip-uninstallable] [--dir DIR] N CMD...: up on a fresh
@@ -182,9 +190,10 @@ run_suite() {
 		*) break ;;
 		esac
 	done
-	local n=${1:-}
-	[[ "$n" =~ ^[1-9][0-9]*$ ]] && [ $# -ge 2 ] || usage
-	shift
+	# RUN_NODES: the sourcing script's run takes no N (rgw.sh).
+	local n=${RUN_NODES:-${1:-}}
+	[ -n "${RUN_NODES:-}" ] || shift
+	[[ "$n" =~ ^[1-9][0-9]*$ ]] && [ $# -ge 1 ] || usage
 	if [ "$(id -u)" -ne 0 ]; then
 		$skip || die "run needs root (FUSE mounts, apt-get)"
 		skipped "not root"
@@ -218,6 +227,6 @@ run_suite() {
 	trap 'exit 129' HUP
 	local mounts
 	mounts=$("$0" up "$RUN_DIR" "$n") || return 1
-	KVHOST_CLUSTER_MOUNTS=$mounts "$@" || rc=$?
+	run_cmd "$mounts" "$@" || rc=$?
 	return "$rc"
 }

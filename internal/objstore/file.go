@@ -1,0 +1,227 @@
+package objstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/http"
+	"sync"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
+	"github.com/aws/aws-sdk-go-v2/service/s3"
+	"github.com/aws/smithy-go"
+
+	"github.com/kvhost/kvhost/fsys"
+)
+
+// ErrCredentials is wrapped by the errors of requests the store refused
+// for their keys or signature.
+var ErrCredentials = errors.New("objstore: the store refused the credentials")
+
+// ErrReadOnly is returned by the writes of a File: objects are written
+// whole, by uploads (Published), never in place.
+var ErrReadOnly = errors.New("objstore: an object is read-only")
+
+// errorCode is the S3 error code of err ("NoSuchKey"), or "".
+func errorCode(err error) string {
+	var ae smithy.APIError
+	if errors.As(err, &ae) {
+		return ae.ErrorCode()
+	}
+	return ""
+}
+
+// httpStatus is the HTTP status of err's response, or 0.
+func httpStatus(err error) int {
+	var re *awshttp.ResponseError
+	if errors.As(err, &re) {
+		return re.HTTPStatusCode()
+	}
+	return 0
+}
+
+// isNotFound reports whether err says the object or bucket does not exist.
+func isNotFound(err error) bool {
+	switch errorCode(err) {
+	case "NoSuchKey", "NotFound", "NoSuchBucket":
+		return true
+	}
+	return httpStatus(err) == http.StatusNotFound
+}
+
+// describe wraps err with ErrCredentials where the store refused the
+// request's keys or signature, and with fs.ErrNotExist where the object
+// or bucket does not exist.
+func describe(err error) error {
+	switch code := errorCode(err); {
+	case code == "InvalidAccessKeyId" || code == "SignatureDoesNotMatch" || code == "AccessDenied" || httpStatus(err) == http.StatusForbidden:
+		return fmt.Errorf("%w (%s): %w", ErrCredentials, code, err)
+	case isNotFound(err):
+		return fmt.Errorf("%w: %w", fs.ErrNotExist, err)
+	}
+	return err
+}
+
+// Open opens key's object for reading (engine.Objects): no request until
+// the first read. Each read is one ranged GET, or several in parallel for
+// a read larger than Config.RangeSize, each bounded by the request
+// timeout and by ctx.
+func (s *Store) Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error) {
+	return &File{s: s, ctx: ctx, name: s.Name(fp, key)}, nil
+}
+
+// File is an object open for reading: an fsys.File whose reads are
+// ranged GETs into the caller's buffers. Its writes fail (ErrReadOnly).
+type File struct {
+	s    *Store
+	ctx  context.Context
+	name string
+}
+
+// ReadAt reads len(p) bytes at off, as io.ReaderAt: io.EOF where the
+// object ends first; an error matching fs.ErrNotExist where it is gone.
+func (f *File) ReadAt(p []byte, off int64) (int, error) {
+	n, err := f.ReadvAt([][]byte{p}, off)
+	if err == nil && n < len(p) {
+		err = io.EOF
+	}
+	return n, err
+}
+
+// ReadvAt reads into bufs in order from off, as preadv: fewer bytes where
+// the object ends first, 0 at its end. A read larger than RangeSize is
+// split into ranges read in parallel; every range ends in a buffer's
+// bytes, never in the daemon's.
+func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
+	var total int64
+	for _, b := range bufs {
+		total += int64(len(b))
+	}
+	if total == 0 {
+		return 0, nil
+	}
+	rs := f.s.cfg.RangeSize
+	if total <= rs {
+		return f.get(bufs, off)
+	}
+	// Ranges of RangeSize, each its own sub-slices of bufs.
+	type rng struct {
+		bufs [][]byte
+		off  int64
+		want int64
+		n    int
+		err  error
+	}
+	var ranges []*rng
+	cur := &rng{off: off}
+	for _, b := range bufs {
+		for len(b) > 0 {
+			take := min(int64(len(b)), rs-cur.want)
+			cur.bufs = append(cur.bufs, b[:take])
+			cur.want += take
+			b = b[take:]
+			if cur.want == rs {
+				ranges = append(ranges, cur)
+				cur = &rng{off: cur.off + cur.want}
+			}
+		}
+	}
+	if cur.want > 0 {
+		ranges = append(ranges, cur)
+	}
+	var wg sync.WaitGroup
+	for _, r := range ranges {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.n, r.err = f.get(r.bufs, r.off)
+		}()
+	}
+	wg.Wait()
+	// The bytes read up to the first range that fell short or failed.
+	var n int
+	for _, r := range ranges {
+		n += r.n
+		if r.err != nil {
+			return n, r.err
+		}
+		if int64(r.n) < r.want {
+			return n, nil
+		}
+	}
+	return n, nil
+}
+
+// get reads one range into bufs with one GET: fewer bytes where the
+// object ends first.
+func (f *File) get(bufs [][]byte, off int64) (int, error) {
+	s := f.s
+	var want int64
+	for _, b := range bufs {
+		want += int64(len(b))
+	}
+	if err := s.acquire(f.ctx); err != nil {
+		return 0, err
+	}
+	defer s.release()
+	ctx, cancel := context.WithTimeout(f.ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	s.gets.Add(1)
+	rng := fmt.Sprintf("bytes=%d-%d", off, off+want-1)
+	out, err := s.client.GetObject(ctx, &s3.GetObjectInput{Bucket: &s.cfg.Bucket, Key: &f.name, Range: &rng})
+	if err != nil {
+		if errorCode(err) == "InvalidRange" || httpStatus(err) == http.StatusRequestedRangeNotSatisfiable {
+			return 0, nil // at or past the object's end
+		}
+		s.getErrors.Add(1)
+		if isNotFound(err) {
+			s.forget(f.name)
+		}
+		return 0, fmt.Errorf("objstore: get %s %s: %w", f.name, rng, describe(err))
+	}
+	defer out.Body.Close()
+	// The range served: want bytes, or fewer where the object ends. A
+	// body that ends before it is a broken transfer, not the object's end.
+	served := aws.ToInt64(out.ContentLength)
+	if served < 0 || served > want {
+		s.getErrors.Add(1)
+		return 0, fmt.Errorf("objstore: get %s %s: the answer has %d bytes", f.name, rng, served)
+	}
+	var n int
+	for _, b := range bufs {
+		if int64(n) == served {
+			break
+		}
+		b = b[:min(int64(len(b)), served-int64(n))]
+		got, err := io.ReadFull(out.Body, b)
+		n += got
+		if err != nil {
+			s.getErrors.Add(1)
+			return n, fmt.Errorf("objstore: get %s %s: %d of %d bytes: %w", f.name, rng, n, served, err)
+		}
+	}
+	s.getBytes.Add(uint64(n))
+	return n, nil
+}
+
+// WriteAt fails: objects are read-only.
+func (f *File) WriteAt([]byte, int64) (int, error) { return 0, ErrReadOnly }
+
+// WritevAt fails: objects are read-only.
+func (f *File) WritevAt([][]byte, int64) (int, error) { return 0, ErrReadOnly }
+
+// Allocate fails: objects are read-only.
+func (f *File) Allocate(int64) error { return ErrReadOnly }
+
+// Sync does nothing: there is nothing written to flush.
+func (f *File) Sync() error { return nil }
+
+// Close does nothing: a File holds no connection between reads.
+func (f *File) Close() error { return nil }
+
+// Fd returns ^uintptr(0): an object has no descriptor, and a mover that
+// needs one (cuFile) must not be given a File.
+func (f *File) Fd() uintptr { return ^uintptr(0) }

@@ -1,0 +1,403 @@
+// Package objstore is kvhost's object mount: one object per key in an S3
+// bucket (Ceph RGW, MinIO, a cloud store), in the file format of
+// docs/format.md, so that nodes that share no file system share a cache,
+// and a node whose disks were wiped or replaced finds its keys again
+// (docs/object.md).
+//
+// A Store implements engine.Objects. Loads read an object through a File
+// whose reads are ranged GETs straight into the caller's buffers, a large
+// read split into parallel ranges; the engine verifies the header and the
+// CRC-32C of every load. Stores reach it as files the engine published:
+// the Store copies each one in the background (a PUT, or a multipart
+// upload for large ones), verifying its checksums on the way, so that
+// what it publishes is a whole, checked object or nothing (S3 makes a PUT
+// and a completed multipart upload visible at once). Which keys the
+// bucket holds it keeps in memory, from what it uploaded and from
+// listings paced by Config.ListInterval: a lookup costs no request.
+package objstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/aws/retry"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	"github.com/aws/aws-sdk-go-v2/service/s3"
+)
+
+// Defaults of Config's zero fields.
+const (
+	DefaultRegion         = "us-east-1"
+	DefaultRequestTimeout = 30 * time.Second
+	DefaultPartSize       = 16 << 20
+	DefaultRangeSize      = 4 << 20
+	DefaultRequests       = 32
+	DefaultUploads        = 4
+	DefaultQueue          = 1024
+	DefaultListInterval   = 30 * time.Second
+)
+
+// ErrConfig is wrapped by Open's errors about the configuration.
+var ErrConfig = errors.New("objstore: invalid configuration")
+
+// Config configures a Store (docs/object.md; the [objects] section of
+// kvhost's configuration).
+type Config struct {
+	// Endpoint is the S3 endpoint's URL, such as http://127.0.0.1:7480.
+	Endpoint string
+	// Bucket holds the objects; Open fails if it does not exist, unless
+	// CreateBucket.
+	Bucket string
+	// Prefix is put before every object's name ("kvhost/"): several
+	// caches may share a bucket under different prefixes.
+	Prefix string
+	// Region signs the requests (DefaultRegion; RGW ignores it).
+	Region string
+	// AccessKey and SecretKey sign the requests.
+	AccessKey, SecretKey string
+	// CreateBucket makes the bucket at Open where it is missing.
+	CreateBucket bool
+	// RequestTimeout bounds every request, its body included
+	// (DefaultRequestTimeout): a store or endpoint that stops answering
+	// fails the request, and the load or upload, past it.
+	RequestTimeout time.Duration
+	// PartSize is the part of a multipart upload, and the largest object
+	// uploaded by one PUT (DefaultPartSize; at least 5 MiB, S3's least).
+	PartSize int64
+	// RangeSize is the most one ranged GET of a load reads
+	// (DefaultRangeSize): a larger read is split into ranges in parallel.
+	RangeSize int64
+	// Requests bounds the GETs and part uploads in flight at once, over
+	// every load and upload (DefaultRequests).
+	Requests int
+	// Uploads is the number of files copied to the bucket at once
+	// (DefaultUploads); Queue, the files waiting (DefaultQueue): a file
+	// published while the queue is full is not copied (Stats.Dropped).
+	Uploads, Queue int
+	// ListInterval is the period of the listings that learn what other
+	// nodes stored (DefaultListInterval); negative lists only at Open.
+	ListInterval time.Duration
+	// Logger receives the store's logs (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// withDefaults returns c with its zero fields set, or an error naming
+// what is wrong.
+func (c Config) withDefaults() (Config, error) {
+	if c.Endpoint == "" || !(strings.HasPrefix(c.Endpoint, "http://") || strings.HasPrefix(c.Endpoint, "https://")) {
+		return c, fmt.Errorf("%w: endpoint %q: want an http:// or https:// URL", ErrConfig, c.Endpoint)
+	}
+	if c.Bucket == "" {
+		return c, fmt.Errorf("%w: no bucket", ErrConfig)
+	}
+	if c.AccessKey == "" || c.SecretKey == "" {
+		return c, fmt.Errorf("%w: no access key or secret key", ErrConfig)
+	}
+	if c.Region == "" {
+		c.Region = DefaultRegion
+	}
+	if c.RequestTimeout == 0 {
+		c.RequestTimeout = DefaultRequestTimeout
+	}
+	if c.PartSize == 0 {
+		c.PartSize = DefaultPartSize
+	}
+	if c.PartSize < 5<<20 {
+		return c, fmt.Errorf("%w: part size %d: S3's least is 5 MiB", ErrConfig, c.PartSize)
+	}
+	if c.RangeSize <= 0 {
+		c.RangeSize = DefaultRangeSize
+	}
+	if c.Requests <= 0 {
+		c.Requests = DefaultRequests
+	}
+	if c.Uploads <= 0 {
+		c.Uploads = DefaultUploads
+	}
+	if c.Queue <= 0 {
+		c.Queue = DefaultQueue
+	}
+	if c.ListInterval == 0 {
+		c.ListInterval = DefaultListInterval
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// Stats counts what a Store did since Open.
+type Stats struct {
+	Objects   int    // keys known to be in the bucket
+	Uploaded  uint64 // files copied to the bucket
+	Skipped   uint64 // files not copied: the bucket had the key
+	Failed    uint64 // copies that failed (an error, a file that changed or vanished)
+	Dropped   uint64 // files not copied: the queue was full
+	Gets      uint64 // GET requests of loads
+	GetBytes  uint64 // bytes those read
+	GetErrors uint64 // GETs that failed
+	Removed   uint64 // objects removed as bad
+	Listings  uint64 // listings of the bucket
+}
+
+// Store is an object mount on one bucket. Its methods may be called from
+// many goroutines at once.
+type Store struct {
+	cfg    Config
+	client *s3.Client
+	// reqs bounds the requests in flight (Config.Requests).
+	reqs chan struct{}
+
+	mu      sync.RWMutex
+	present map[string]struct{} // object names the bucket holds, as known
+	// since is what uploads added while a listing ran: kept by its end.
+	since map[string]struct{}
+
+	queue  chan upload
+	ctx    context.Context // ended by Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	uploaded, skipped, failed, dropped atomic.Uint64
+	gets, getBytes, getErrors          atomic.Uint64
+	removed, listings                  atomic.Uint64
+}
+
+// upload is a published file to copy.
+type upload struct {
+	fp   uint64
+	key  []byte
+	path string
+}
+
+// Open connects to the bucket, lists what it holds under the prefix and
+// starts the uploads and the paced listings. ctx bounds the first
+// listing.
+func Open(ctx context.Context, cfg Config) (*Store, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	hc := awshttp.NewBuildableClient().WithTransportOptions(func(t *http.Transport) {
+		t.MaxIdleConns = 2 * cfg.Requests
+		t.MaxIdleConnsPerHost = 2 * cfg.Requests
+		t.ResponseHeaderTimeout = cfg.RequestTimeout
+	})
+	client := s3.New(s3.Options{
+		Region:       cfg.Region,
+		BaseEndpoint: aws.String(cfg.Endpoint),
+		UsePathStyle: true,
+		Credentials:  credentials.NewStaticCredentialsProvider(cfg.AccessKey, cfg.SecretKey, ""),
+		HTTPClient:   hc,
+		Retryer: retry.NewStandard(func(o *retry.StandardOptions) {
+			o.MaxAttempts = 3
+			o.MaxBackoff = 500 * time.Millisecond
+		}),
+		// kvhost checks its own CRC-32C over the payload; RGW takes no
+		// trailing checksums of the newer SDKs.
+		RequestChecksumCalculation: aws.RequestChecksumCalculationWhenRequired,
+		ResponseChecksumValidation: aws.ResponseChecksumValidationWhenRequired,
+	})
+	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
+	if err := s.checkBucket(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.list(ctx); err != nil {
+		return nil, err
+	}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	for range cfg.Uploads {
+		s.wg.Add(1)
+		go s.uploader()
+	}
+	if cfg.ListInterval > 0 {
+		s.wg.Add(1)
+		go s.lister()
+	}
+	return s, nil
+}
+
+// Close stops the uploads and listings. Uploads under way are abandoned
+// (a multipart one aborted, bounded by the request timeout): the files
+// are the engine's, and a later store of their keys copies them again.
+func (s *Store) Close() error {
+	s.cancel()
+	s.wg.Wait()
+	return nil
+}
+
+// Stats returns the store's counts.
+func (s *Store) Stats() Stats {
+	s.mu.RLock()
+	n := len(s.present)
+	s.mu.RUnlock()
+	return Stats{
+		Objects: n, Uploaded: s.uploaded.Load(), Skipped: s.skipped.Load(), Failed: s.failed.Load(), Dropped: s.dropped.Load(),
+		Gets: s.gets.Load(), GetBytes: s.getBytes.Load(), GetErrors: s.getErrors.Load(), Removed: s.removed.Load(), Listings: s.listings.Load(),
+	}
+}
+
+// Name is the object name of key in the namespace of fingerprint fp:
+// Prefix, the fingerprint in 16 hexadecimal digits, a slash, the key in
+// hexadecimal.
+func (s *Store) Name(fp uint64, key []byte) string {
+	return fmt.Sprintf("%s%016x/%x", s.cfg.Prefix, fp, key)
+}
+
+// Has reports whether the bucket is known to hold key of the namespace of
+// fingerprint fp: uploaded by this store, or found by a listing, and not
+// found missing or bad since. It sends no request.
+func (s *Store) Has(fp uint64, key []byte) bool {
+	name := s.Name(fp, key)
+	s.mu.RLock()
+	_, ok := s.present[name]
+	s.mu.RUnlock()
+	return ok
+}
+
+// add records name as in the bucket.
+func (s *Store) add(name string) {
+	s.mu.Lock()
+	s.present[name] = struct{}{}
+	if s.since != nil {
+		s.since[name] = struct{}{}
+	}
+	s.mu.Unlock()
+}
+
+// forget records name as not in the bucket.
+func (s *Store) forget(name string) {
+	s.mu.Lock()
+	delete(s.present, name)
+	if s.since != nil {
+		delete(s.since, name)
+	}
+	s.mu.Unlock()
+}
+
+// Bad forgets key's object, which failed a load's checks, and removes it
+// from the bucket in the background, so that a later store of the key
+// copies a good one.
+func (s *Store) Bad(fp uint64, key []byte, err error) {
+	name := s.Name(fp, key)
+	s.forget(name)
+	s.cfg.Logger.Warn("objstore: bad object removed", "object", name, "err", err)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
+		defer cancel()
+		if _, err := s.client.DeleteObject(ctx, &s3.DeleteObjectInput{Bucket: &s.cfg.Bucket, Key: &name}); err != nil {
+			s.cfg.Logger.Warn("objstore: removing a bad object", "object", name, "err", err)
+			return
+		}
+		s.removed.Add(1)
+	}()
+}
+
+// checkBucket fails naming the bucket and the endpoint's answer where the
+// bucket cannot be reached (wrong credentials, no such bucket), making it
+// with CreateBucket.
+func (s *Store) checkBucket(ctx context.Context) error {
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	_, err := s.client.HeadBucket(rctx, &s3.HeadBucketInput{Bucket: &s.cfg.Bucket})
+	if err == nil {
+		return nil
+	}
+	if s.cfg.CreateBucket && isNotFound(err) {
+		if _, cerr := s.client.CreateBucket(rctx, &s3.CreateBucketInput{Bucket: &s.cfg.Bucket}); cerr == nil {
+			return nil
+		} else {
+			err = cerr
+		}
+	}
+	return fmt.Errorf("objstore: bucket %s at %s: %w", s.cfg.Bucket, s.cfg.Endpoint, describe(err))
+}
+
+// list replaces the presence set by a listing of the prefix, keeping
+// what uploads added while it ran.
+func (s *Store) list(ctx context.Context) error {
+	s.mu.Lock()
+	s.since = map[string]struct{}{}
+	s.mu.Unlock()
+	found := map[string]struct{}{}
+	p := s3.NewListObjectsV2Paginator(s.client, &s3.ListObjectsV2Input{Bucket: &s.cfg.Bucket, Prefix: &s.cfg.Prefix})
+	var err error
+	for p.HasMorePages() {
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		var page *s3.ListObjectsV2Output
+		page, err = p.NextPage(rctx)
+		cancel()
+		if err != nil {
+			break
+		}
+		for _, o := range page.Contents {
+			if o.Key != nil && s.ours(*o.Key) {
+				found[*o.Key] = struct{}{}
+			}
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	since := s.since
+	s.since = nil
+	if err != nil {
+		return fmt.Errorf("objstore: listing bucket %s at %s: %w", s.cfg.Bucket, s.cfg.Endpoint, describe(err))
+	}
+	for name := range since {
+		found[name] = struct{}{}
+	}
+	s.present = found
+	s.listings.Add(1)
+	return nil
+}
+
+// ours reports whether name is an object name of Name's form.
+func (s *Store) ours(name string) bool {
+	rest, ok := strings.CutPrefix(name, s.cfg.Prefix)
+	if !ok || len(rest) < 18 || rest[16] != '/' {
+		return false
+	}
+	_, err := strconv.ParseUint(rest[:16], 16, 64)
+	return err == nil
+}
+
+// lister lists the bucket every ListInterval until Close.
+func (s *Store) lister() {
+	defer s.wg.Done()
+	t := time.NewTicker(s.cfg.ListInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := s.list(s.ctx); err != nil && s.ctx.Err() == nil {
+			s.cfg.Logger.Warn("objstore: listing failed; keeping the last one", "err", err)
+		}
+	}
+}
+
+// acquire takes a request slot, or fails with ctx's error.
+func (s *Store) acquire(ctx context.Context) error {
+	select {
+	case s.reqs <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s *Store) release() { <-s.reqs }
