@@ -231,12 +231,13 @@ test-cluster-bounded: build
 
 # The object mount's tests (docs/object.md) against a one-host Ceph RGW
 # (scripts/rgw.sh, which installs Ceph's Debian packages if missing; needs
-# root): two engines sharing one bucket and no directory, faults, the
-# benchmark once; torn down afterwards, whatever the result.
+# root): engines, and two daemons, sharing one bucket and no directory;
+# faults; the benchmark once. Torn down afterwards, whatever the result.
 .PHONY: test-objects
 test-objects:
-	scripts/rgw.sh run --skip-uninstallable \
-		$(GO) test -race -count=1 -v -timeout 10m -bench . -benchtime 1x ./internal/objstore
+	scripts/rgw.sh run --skip-uninstallable sh -c '\
+		$(GO) test -race -count=1 -v -timeout 10m -bench . -benchtime 1x ./internal/objstore && \
+		$(GO) test -race -count=1 -v -timeout 5m -run "^TestObjects" ./internal/reliability'
 
 # Container images (deploy/docker): the daemon's, which deploy/kubernetes
 # runs as kvhost:dev, and vLLM's with kvhost's client. IMAGE=NAME:TAG

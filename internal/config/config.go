@@ -53,6 +53,42 @@ type Config struct {
 	GPU     GPU      `toml:"gpu"`     // [gpu]: the data paths for GPU memory
 	Metrics Metrics  `toml:"metrics"` // [metrics]: the metrics and probes listener
 	Budgets []Budget `toml:"budget"`  // [[budget]]: byte budgets per namespace
+	Objects Objects  `toml:"objects"` // [objects]: the object mount on S3
+}
+
+// Objects is the object mount ([objects]; docs/object.md): an S3 bucket
+// behind the file mounts, shared by the nodes that name it. Off without
+// an endpoint. Its keys apply at start.
+type Objects struct {
+	// Endpoint is the S3 endpoint's URL ("http://rgw.local:7480"); empty:
+	// no object mount.
+	Endpoint string `toml:"endpoint"`
+	// Bucket holds the objects; Prefix goes before their names.
+	Bucket string `toml:"bucket"`
+	Prefix string `toml:"prefix"`
+	// Region signs the requests ("us-east-1" when empty).
+	Region string `toml:"region"`
+	// AccessKey is the access key id; empty: $KVHOST_S3_ACCESS_KEY.
+	AccessKey string `toml:"access_key"`
+	// SecretKeyFile is a file holding the secret key (its first line);
+	// empty: $KVHOST_S3_SECRET_KEY.
+	SecretKeyFile string `toml:"secret_key_file"`
+	// CreateBucket makes the bucket at start where it is missing.
+	CreateBucket bool `toml:"create_bucket"`
+	// RequestTimeout bounds every request (0: 30s).
+	RequestTimeout Duration `toml:"request_timeout"`
+	// PartSize is a multipart upload's part, and the largest single PUT
+	// (0: 16MiB; at least 5MiB).
+	PartSize Size `toml:"part_size"`
+	// RangeSize is the most one ranged GET reads (0: 4MiB).
+	RangeSize Size `toml:"range_size"`
+	// Requests bounds the requests in flight (0: 32); Uploads, the files
+	// copied at once (0: 4).
+	Requests int `toml:"requests"`
+	Uploads  int `toml:"uploads"`
+	// ListInterval is the period of the listings that learn other nodes'
+	// objects (0: 30s; negative: at start only).
+	ListInterval Duration `toml:"list_interval"`
 }
 
 // Budget is a byte budget of the namespaces of a model id ([[budget]];
@@ -954,6 +990,18 @@ func (c *Config) Validate() error {
 	if c.Metrics.Listen != "" {
 		if _, port, err := net.SplitHostPort(c.Metrics.Listen); err != nil || port == "" {
 			return bad("metrics.listen", `a TCP address "host:port" (e.g. "127.0.0.1:9400", ":9400")`, fmt.Sprintf("%q", c.Metrics.Listen))
+		}
+	}
+	if o := c.Objects; o.Endpoint != "" {
+		switch {
+		case !strings.HasPrefix(o.Endpoint, "http://") && !strings.HasPrefix(o.Endpoint, "https://"):
+			return bad("objects.endpoint", `an http:// or https:// URL ("http://127.0.0.1:7480")`, fmt.Sprintf("%q", o.Endpoint))
+		case o.Bucket == "":
+			return bad("objects.bucket", "a bucket name", `""`)
+		case o.PartSize != 0 && o.PartSize < 5<<20:
+			return bad("objects.part_size", "0 (16MiB) or at least 5MiB, S3's least", o.PartSize)
+		case o.RangeSize < 0 || o.Requests < 0 || o.Uploads < 0 || o.RequestTimeout < 0:
+			return bad("objects", "range_size, requests, uploads and request_timeout ≥ 0", fmt.Sprintf("%+v", o))
 		}
 	}
 	if len(c.Mounts) == 0 {

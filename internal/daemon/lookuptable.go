@@ -52,6 +52,10 @@ func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*
 			break
 		}
 	}
+	if cfg.Objects.Endpoint != "" {
+		// The bucket's keys are the engine's to answer (objstore.Has).
+		final, shared = false, cfg.Objects.Endpoint
+	}
 	// Clients need to read the table only, and whoever may connect to the
 	// socket may ask what it holds: a read bit for each write bit of the
 	// socket's (connecting to a Unix socket takes write permission).

@@ -315,6 +315,14 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		closeGPU = gp.Close
 		movers = d.trackChains(gp.Movers())
 	}
+	objs, err := OpenObjects(ctx, cfg.Objects, log)
+	if err != nil {
+		return errors.Join(err, closeGPU())
+	}
+	if objs != nil {
+		gpuClose := closeGPU
+		closeGPU = func() error { return errors.Join(objs.Close(), gpuClose()) }
+	}
 	ecfg := engine.Config{
 		Mounts:         mounts,
 		NewPolicy:      build.New,
@@ -340,6 +348,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		Movers:   movers,
 		FS:       d.fs,
 		Budgets:  EngineBudgets(cfg),
+	}
+	if objs != nil {
+		ecfg.Objects = objs
 	}
 	if d.metrics != nil {
 		ecfg.Observer = JobObserver(d.metrics)

@@ -94,6 +94,8 @@ type daemonConfig struct {
 	RestartHold  string
 	// More are the mounts after Mount, in order.
 	More []mountConfig
+	// Extra is more TOML, verbatim, after the mounts (an [objects] table).
+	Extra string
 }
 
 // mountConfig is a [[mount]] table after the first.
@@ -155,6 +157,9 @@ func (c daemonConfig) toml() string {
 		if m.Capacity != "" {
 			fmt.Fprintf(&b, "capacity = %q\n", m.Capacity)
 		}
+	}
+	if c.Extra != "" {
+		b.WriteString("\n" + c.Extra)
 	}
 	return b.String()
 }
