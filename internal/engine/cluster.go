@@ -319,6 +319,9 @@ func (h clusterHost) Census(ctx context.Context, file func(path string, id fsys.
 					return err
 				}
 			case d.Type().IsRegular():
+				if err := ctx.Err(); err != nil {
+					return err // the engine closes: not another file
+				}
 				fi, err := d.Info()
 				if err != nil {
 					continue
