@@ -2,6 +2,8 @@ package engine
 
 import (
 	"fmt"
+	"log/slog"
+	"slices"
 	"strings"
 	"sync/atomic"
 
@@ -116,10 +118,11 @@ func (t *tables) budgetRound(counts func() map[uint64]index.FPCount) *budgetRoun
 	r := &budgetRound{set: s, of: map[uint64]int{}, used: make([]int64, n), over: make([]int64, n), above: make([]int64, n), took: make([]int64, n), kept: make([]int64, n)}
 	t.mu.RLock()
 	for _, ns := range t.nss {
-		if ns.geo.Model == "" {
+		model := t.modelOfLocked(ns)
+		if model == "" {
 			continue
 		}
-		if i := s.match(ns.geo.Model); i >= 0 {
+		if i := s.match(model); i >= 0 {
 			r.of[ns.fp] = i
 			r.used[i] += c[ns.fp].Bytes
 		}
@@ -208,10 +211,11 @@ func (t *tables) budgetStats(counts map[uint64]index.FPCount, nss []NamespaceSta
 	}
 	t.mu.RLock()
 	for _, ns := range t.nss {
-		if ns.geo.Model == "" {
+		model := t.modelOfLocked(ns)
+		if model == "" {
 			continue
 		}
-		if i := s.match(ns.geo.Model); i >= 0 {
+		if i := s.match(model); i >= 0 {
 			out[i].Bytes += counts[ns.fp].Bytes
 		}
 	}
@@ -237,4 +241,52 @@ func ownCapacity(mounts []*mount, sp *space.Space) int64 {
 		sum += c
 	}
 	return sum
+}
+
+// modelOfLocked is the model id of ns: its client's (Declare), or, for
+// the files found at Open of a namespace no client declared since, the
+// one the model books named (modelbook.go). t.mu is held.
+func (t *tables) modelOfLocked(ns *namespace) string {
+	if ns.geo.Model != "" {
+		return ns.geo.Model
+	}
+	return t.books.model(ns.fp)
+}
+
+// budgetsFound logs, once Open has indexed the files found and read the
+// model books, what the budgets count of them before any client
+// declares its namespace: the namespaces a book named, and, where a
+// budget has a floor, those no book names (files stored before the
+// books, or a book lost), which no floor protects until their clients
+// declare them.
+func (t *tables) budgetsFound(log *slog.Logger, counts map[uint64]index.FPCount) {
+	s := t.budgets
+	if s == nil {
+		return
+	}
+	floors := slices.ContainsFunc(s.list, func(b Budget) bool { return b.Floor > 0 })
+	var named, unknown int
+	var namedBytes, unknownBytes int64
+	t.mu.RLock()
+	for fp, c := range counts {
+		id, ok := t.byFP[fp]
+		if !ok || t.nss[id].layout != nil {
+			continue
+		}
+		if model := t.modelOfLocked(t.nss[id]); model != "" {
+			if s.match(model) >= 0 {
+				named++
+				namedBytes += c.Bytes
+			}
+			continue
+		}
+		unknown++
+		unknownBytes += c.Bytes
+	}
+	t.mu.RUnlock()
+	log.Info("engine: budgets count the files found from the start: their namespaces' model ids read from the model books", "namespaces", named, "bytes", namedBytes)
+	if unknown > 0 && floors {
+		log.Warn("engine: budget floors: files found of namespaces no model book names count toward no budget until their clients declare them; a floor does not protect them meanwhile",
+			"namespaces", unknown, "bytes", unknownBytes)
+	}
 }

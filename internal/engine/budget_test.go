@@ -50,18 +50,8 @@ func burstOnOneMount(t *testing.T, budgets func(fileLen int64) []Budget, reload 
 	})
 	r := rand.New(rand.NewPCG(8, 6))
 	store := func(model string, n int) ([][]byte, NamespaceID) {
-		gm := g
-		gm.Model = model
-		ns, err := e.Declare(ctx, gm)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c := newTestCache(t, e, ns, gm, 4, layoutPlaneFirst)
 		keys := testKeys(model, n)
-		for i := range keys {
-			c.fill(r, []int{0, 1, 2, 3})
-			storeAndCheck(t, e, c, keys[i:i+1], [][]int{{0, 1, 2, 3}})
-		}
+		ns, _ := storeAsModel(t, e, g, model, keys, r)
 		return keys, ns
 	}
 	qk, qns := store("tenant/quiet", burstQuietKeys)
@@ -79,6 +69,24 @@ func burstOnOneMount(t *testing.T, budgets func(fileLen int64) []Budget, reload 
 		return out
 	}
 	return burstResult{quietKept: kept(qns, qk), burstKept: kept(bns, bk), stats: e.Stats()}
+}
+
+// storeAsModel declares g as model in e and stores keys there, one a
+// file, each with random bytes from r; it returns the namespace and the
+// cache it registered.
+func storeAsModel(t *testing.T, e *Engine, g Geometry, model string, keys [][]byte, r *rand.Rand) (NamespaceID, *testCache) {
+	t.Helper()
+	g.Model = model
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 4, layoutPlaneFirst)
+	for i := range keys {
+		c.fill(r, []int{0, 1, 2, 3})
+		storeAndCheck(t, e, c, keys[i:i+1], [][]int{{0, 1, 2, 3}})
+	}
+	return ns, c
 }
 
 // countTrue is the number of true in bs.

@@ -1692,12 +1692,13 @@ func TestClusterARefusedStoreLeavesNoRaisedClaimPublished(t *testing.T) {
 }
 
 // mountBytes is the bytes of every regular file under dir but the
-// cluster's metadata: data files, temporaries and spares alike.
+// cluster's metadata and the model books: data files, temporaries and
+// spares alike.
 func mountBytes(t *testing.T, dir string) int64 {
 	t.Helper()
 	var n int64
 	filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
-		if err != nil || d.IsDir() || filepath.Base(filepath.Dir(path)) == clustercap.DirName {
+		if err != nil || d.IsDir() || filepath.Base(filepath.Dir(path)) == clustercap.DirName || isModelBook(d.Name()) {
 			return nil
 		}
 		if fi, err := d.Info(); err == nil && fi.Mode().IsRegular() {

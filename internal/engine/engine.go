@@ -288,6 +288,11 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
+	// Before any eviction: the budgets count the files found.
+	books := newModelBook(e.fs, cfg.Logger, e.mounts, e.own.node)
+	books.prune(books.read(e.mounts), e.ix.Holds)
+	e.tables.setBooks(books)
+	e.tables.budgetsFound(cfg.Logger, e.ix.FingerprintCounts())
 	e.pol.Policy = cfg.Policy
 	if e.pol.Policy == nil {
 		if e.pol.Policy, err = cfg.NewPolicy(e.Index()); err != nil {

@@ -247,7 +247,7 @@ func leftovers(t testing.TB, dir string) []string {
 	t.Helper()
 	var out []string
 	filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
-		if err == nil && strings.HasPrefix(d.Name(), ".") && !strings.HasPrefix(d.Name(), ownerPrefix) && !isJournal(d.Name()) && !d.IsDir() {
+		if err == nil && strings.HasPrefix(d.Name(), ".") && !strings.HasPrefix(d.Name(), ownerPrefix) && !isJournal(d.Name()) && !isModelBook(d.Name()) && !d.IsDir() {
 			out = append(out, path)
 		}
 		return nil

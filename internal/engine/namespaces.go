@@ -37,6 +37,10 @@ type tables struct {
 	holds func(fp uint64) bool
 	// budgets are Config.Budgets (budget.go), set at Open; nil for none.
 	budgets *budgetSet
+	// books are the model books (modelbook.go), set at Open (setBooks)
+	// once read: the model id of namespaces found on the mounts before
+	// their clients declare them.
+	books *modelBook
 }
 
 // newTables returns empty tables bounding declarations at max.
@@ -144,6 +148,9 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	})
 	if err != nil {
 		return 0, err
+	}
+	if lm == nil {
+		e.tables.noteModel(g) // its model id kept for the next start
 	}
 	e.maker.wake(work)
 	return d.id, nil

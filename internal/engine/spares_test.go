@@ -773,7 +773,7 @@ func bytesOnDisk(t *testing.T, dir string) int64 {
 	t.Helper()
 	var n int64
 	filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() || strings.HasPrefix(d.Name(), ownerPrefix) || isJournal(d.Name()) {
+		if err != nil || d.IsDir() || strings.HasPrefix(d.Name(), ownerPrefix) || isJournal(d.Name()) || isModelBook(d.Name()) {
 			return nil
 		}
 		if fi, err := d.Info(); err == nil {
