@@ -23,8 +23,8 @@ once the group has arrived, so the model runs the pipeline: group j
 arrives at latency + load x (layers up to j) / L and is computed after
 both its arrival and the group before it. Where load and computation
 are about even, that costs about one group's work, which is why a slow
-mount gets one layer per job: the jobs are sized (layers_per_job) to
-move about job_s seconds at the rate, between 1 and the configured most.
+mount gets one layer per job: a job holds the fewest layers that keep it
+at least job_s long at the rate (layers_per_job), at most the configured.
 
 The rate is learned from the loads the workers time (observe_load); the
 prefill model's shape (fixed, a, b) is configured and its scale s learned
@@ -195,24 +195,29 @@ class CostModel:
         return self._scale * (self.fixed + self.a * n + self.b * (total * total - cached * cached) / 2.0)
 
     def layers_per_job(self, tokens):
-        """Layers per load job for a load of tokens tokens: as many as the
-        rate moves in job_s (a job's fixed cost is then small beside its
-        bytes), at least 1, at most layers_per_load. At tmpfs rates that is
-        the most; from a disk, one: the pipeline then waits for one layer
-        at its ends, not for a group."""
+        """Layers per load job for a load of tokens tokens: the fewest that
+        keep a job at least job_s long at the rate (a job's fixed cost,
+        a pass over every file, is then small beside its bytes), at most
+        layers_per_load. At tmpfs rates that is the most; from a disk,
+        where one layer's load outlasts job_s, one: the pipeline then
+        waits for one layer at its ends, not for a group. (Fewer layers
+        than that made loads of files not registered with CUDA, whose
+        jobs cost most, 1.8x slower, and a slower rate then asked for
+        smaller jobs still.)"""
         cap = self.max_layers_per_load
         if cap <= 1 or self.layers <= 1 or tokens <= 0 or self.job_s <= 0:
             return cap
         layer_s = tokens * self.bytes_per_token / self.layers / self._rate
-        return max(1, min(cap, int(self.job_s / layer_s)))
+        return max(1, min(cap, math.ceil(self.job_s / layer_s)))
 
-    def ttft_s(self, total, computed, k):
+    def ttft_s(self, total, computed, k, job_tokens=None):
         """The modelled time to first token when k tokens are cached after
         loading k - computed of them: the pipeline of their layer groups
-        (layers_per_job) beside the computation of tokens k..total."""
-        return self._pipeline(total, computed, k, self._rate, self._scale)
+        (layers_per_job of job_tokens, by default k - computed) beside the
+        computation of tokens k..total."""
+        return self._pipeline(total, computed, k, self._rate, self._scale, job_tokens)
 
-    def _pipeline(self, total, computed, k, rate, scale):
+    def _pipeline(self, total, computed, k, rate, scale, job_tokens=None):
         n = k - computed
         comp = 0.0
         if k < total:
@@ -232,7 +237,8 @@ class CostModel:
         # run's ends are weighed (_ends).
         pl, pc = load / self.layers, comp / self.layers
         d = pl - pc
-        return lat + pc * self.layers + max(d * through + pc * count for through, count in self._ends(n))
+        ends = self._ends(n if job_tokens is None else job_tokens)
+        return lat + pc * self.layers + max(d * through + pc * count for through, count in ends)
 
     def _ends(self, tokens):
         """The (through, count) of the first and last group of each run of
@@ -268,12 +274,16 @@ class CostModel:
             return computed
         rate, scale = self._rate, self._scale  # one reading for the whole search
         cache = {}
+        # Every candidate is priced with the layer groups of the whole
+        # hit's load: with groups sized per candidate, the modelled TTFT
+        # jumps where the job size changes and is no longer unimodal.
+        job = hi * chunk - computed
 
         def ttft(m):  # m boundaries of chunk tokens cached (lo - 1: load nothing)
             t = cache.get(m)
             if t is None:
                 t = cache[m] = self._pipeline(total, computed, max(m * chunk, computed) if m >= lo else computed,
-                                              rate, scale)
+                                              rate, scale, job)
             return t
 
         # The least TTFT: the load grows and the computation of the rest
