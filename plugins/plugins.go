@@ -12,6 +12,13 @@ import (
 	"io/fs"
 	"sort"
 	"strings"
+
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/plugins/lfu"
+	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/plugins/sharded"
+	"github.com/kvhost/kvhost/plugins/tiered"
+	"github.com/kvhost/kvhost/plugins/ttl"
 )
 
 //go:embed wasm
@@ -44,4 +51,24 @@ func Wasm(name string) ([]byte, error) {
 			ErrUnknown, name, strings.Join(Names(), ", "))
 	}
 	return b, nil
+}
+
+// Native returns the constructor of the built-in policy name built
+// natively: the same Go code as its module, which kvhost serves while the
+// module compiles (policy.Config.Interim). ok is false for a name that
+// is not a built-in policy.
+func Native(name string) (newPolicy func() guest.Policy, ok bool) {
+	switch name {
+	case lfu.Name:
+		return func() guest.Policy { return lfu.New() }, true
+	case lru.Name:
+		return func() guest.Policy { return lru.New() }, true
+	case sharded.Name:
+		return func() guest.Policy { return sharded.New() }, true
+	case tiered.Name:
+		return func() guest.Policy { return tiered.New() }, true
+	case ttl.Name:
+		return func() guest.Policy { return ttl.New() }, true
+	}
+	return nil, false
 }

@@ -84,3 +84,22 @@ func TestCommittedModulesMatchSources(t *testing.T) {
 		})
 	}
 }
+
+// TestEveryBuiltinHasItsNativeBuild checks that each embedded module has
+// a native build of the same name, which serves while the
+// module compiles.
+func TestEveryBuiltinHasItsNativeBuild(t *testing.T) {
+	for _, name := range Names() {
+		newPolicy, ok := Native(name)
+		if !ok {
+			t.Errorf("built-in %s has no native build", name)
+			continue
+		}
+		if p := newPolicy(); p == nil {
+			t.Errorf("the native build of %s is nil", name)
+		}
+	}
+	if _, ok := Native("no-such-policy"); ok {
+		t.Error("Native knows a policy that is not built in")
+	}
+}

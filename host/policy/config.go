@@ -82,6 +82,28 @@ type Config struct {
 	// FallbackName names Fallback in logs and Stats.FallbackPolicy;
 	// default "native".
 	FallbackName string
+	// Interim, if set, builds the native policy of one shard that a
+	// Host serves while its module loads, so that a slow compilation (a
+	// Go plugin of a few MB compiles in seconds without the compilation
+	// cache) does not hold up the caller: Open waits at most LoadTimeout
+	// for the module (compiled, validated, every instance made), then
+	// returns a Host running Interim, configured with InterimParams, and
+	// switches it to the plugin, rebuilt from the Index, once the module
+	// has loaded (Host.WaitLoaded). A module that then fails to load
+	// leaves the Host on Interim, as its fallback (Stats.Fallback, the
+	// reason in Stats.FallbackReason). Nil: Open waits for the module.
+	// NewNative ignores it.
+	Interim func() guest.Policy
+	// InterimParams is Interim's configuration, passed as Params is to
+	// the plugin's kvhost_init; Interim must accept it (a refusal fails
+	// Open).
+	InterimParams map[string]string
+	// InterimName names Interim in logs; default "native".
+	InterimName string
+	// LoadTimeout is how long Open waits for the module before it serves
+	// Interim; zero serves Interim from the start. Without Interim it
+	// does not apply.
+	LoadTimeout time.Duration
 	// Logger receives the host's and the plugin's log messages. Nil means
 	// slog.Default().
 	Logger *slog.Logger
@@ -137,7 +159,7 @@ func (c Config) withDefaults() (Config, error) {
 	for _, p := range []struct {
 		field  string
 		params map[string]string
-	}{{"Params", c.Params}, {"FallbackParams", c.FallbackParams}} {
+	}{{"Params", c.Params}, {"FallbackParams", c.FallbackParams}, {"InterimParams", c.InterimParams}} {
 		for k, v := range p.params {
 			switch {
 			case k == "" || strings.ContainsAny(k, "=\n") || strings.TrimSpace(k) != k:
@@ -148,6 +170,9 @@ func (c Config) withDefaults() (Config, error) {
 				return fail("%s[%q]: value contains a newline", p.field, k)
 			}
 		}
+	}
+	if c.LoadTimeout < 0 {
+		return fail("LoadTimeout = %v: want 0 (serve Interim at once) or more", c.LoadTimeout)
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

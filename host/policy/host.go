@@ -68,15 +68,21 @@ type Host struct {
 	log         *slog.Logger
 	initCfg     [][]byte // kvhost_init configuration per shard
 	fallbackCfg [][]byte // the fallback's (nil without one); written under h.mu
+	interimCfg  [][]byte // Config.Interim's, while it serves (nil otherwise)
 	canFallback bool
-	stats       counters
-	ledgers     []ledger // per shard id; outlive a switch to the fallback
+	// loaded is closed once the module of a Host that started on
+	// Config.Interim has loaded, or failed to (loadErr, written before).
+	loaded  chan struct{}
+	loadErr error
+	stats   counters
+	ledgers []ledger // per shard id; outlive a switch to the fallback
 
 	mu struct {
 		sync.RWMutex
 		backend  backend
 		shards   []*shard
 		fallback bool   // the backend is the native fallback
+		loading  bool   // the backend is Config.Interim, the module loading
 		reason   string // why the fallback was taken
 		closed   bool
 	}
@@ -214,16 +220,134 @@ func Open(ctx context.Context, module []byte, name string, idx Index, cfg Config
 	if idx == nil {
 		return nil, fmt.Errorf("%w: nil Index", ErrConfig)
 	}
-	b, err := newWasmBackend(ctx, module, name, &cfg)
+	begin := time.Now()
+	if cfg.Interim == nil {
+		b, err := newWasmBackend(ctx, module, name, &cfg)
+		if err != nil {
+			return nil, err
+		}
+		return startWasm(ctx, name, idx, cfg, b)
+	}
+	// The module loads on its own goroutine; the caller waits for it at
+	// most LoadTimeout, and gets a Host serving Interim after that.
+	loaded := make(chan loadResult, 1)
+	go func() {
+		lcfg := cfg
+		b, err := newWasmBackend(ctx, module, name, &lcfg)
+		if err == nil {
+			if err = b.prepare(ctx, cfg.Shards); err != nil {
+				_ = b.close(ctx)
+				b, err = nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
+			}
+		}
+		loaded <- loadResult{b: b, err: err}
+	}()
+	timer := time.NewTimer(cfg.LoadTimeout)
+	defer timer.Stop()
+	select {
+	case res := <-loaded:
+		if res.err != nil {
+			return nil, res.err
+		}
+		return startWasm(ctx, name, idx, cfg, res.b)
+	case <-timer.C:
+	}
+	interim := cfg.InterimName
+	if interim == "" {
+		interim = "native"
+	}
+	h, err := newHost(name, idx, cfg, cfg.Fallback != nil)
+	if err == nil {
+		h.interimCfg, err = cfg.initConfigs("InterimParams", cfg.InterimParams)
+	}
+	if err == nil {
+		err = h.serve(ctx, newNativeBackend(cfg.Interim, name+"/"+interim, h.log), h.interimCfg)
+	}
 	if err != nil {
+		go func() {
+			if res := <-loaded; res.b != nil {
+				_ = res.b.close(context.WithoutCancel(ctx))
+			}
+		}()
 		return nil, err
 	}
+	h.mu.loading, h.loaded = true, make(chan struct{})
+	h.log.Info("policy: serving the interim policy while the module loads", "interim", interim, "waited", cfg.LoadTimeout.String())
+	go h.upgrade(ctx, loaded, begin)
+	return h, nil
+}
+
+// loadResult is a module loaded for a Host, or why it did not load.
+type loadResult struct {
+	b   *wasmBackend
+	err error
+}
+
+// startWasm starts a Host on the wasm backend b, closing b if it fails.
+func startWasm(ctx context.Context, name string, idx Index, cfg Config, b *wasmBackend) (*Host, error) {
 	h, err := start(ctx, name, idx, cfg, b, cfg.Fallback != nil)
 	if err != nil {
 		_ = b.close(ctx)
 		return nil, err
 	}
 	return h, nil
+}
+
+// upgrade waits for the module of a Host serving Config.Interim and
+// switches the Host to it, rebuilt from the Index and the ledgers under
+// h.mu (its instances are made ahead, outside the lock); a module that
+// did not load, or whose shards fail to build, leaves Interim serving as
+// the fallback.
+func (h *Host) upgrade(ctx context.Context, loaded <-chan loadResult, since time.Time) {
+	defer close(h.loaded)
+	res := <-loaded
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.mu.closed {
+		if res.b != nil {
+			_ = res.b.close(context.WithoutCancel(ctx))
+		}
+		h.loadErr = ErrClosed
+		return
+	}
+	err := res.err
+	if err == nil {
+		res.b.slow = &h.stats.slowCalls
+		var shards []*shard
+		if shards, err = h.buildShards(ctx, res.b, h.initCfg); err == nil {
+			for _, s := range h.mu.shards {
+				if s.inst != nil {
+					s.inst.close(ctx)
+				}
+			}
+			_ = h.mu.backend.close(ctx)
+			h.mu.backend, h.mu.shards, h.mu.loading, h.interimCfg = res.b, shards, false, nil
+			h.log.Info("policy ready: the plugin replaces the interim policy", "shards", h.cfg.Shards,
+				"took", time.Since(since).String())
+			return
+		}
+		_ = res.b.close(ctx)
+	}
+	h.loadErr = err
+	h.mu.loading, h.mu.fallback, h.mu.reason = false, true, fmt.Sprintf("the module did not load: %v", err)
+	h.fallbackCfg, h.cfg.FallbackName = h.interimCfg, h.cfg.InterimName
+	h.log.Error("policy plugin did not load; the interim policy goes on serving", "err", err)
+}
+
+// WaitLoaded waits until the Host's module has loaded, when it started
+// on Config.Interim, and returns why it did not load (the Host then
+// goes on serving Interim), or ctx's error. It returns nil at once for
+// a Host that started on its module, or a native Host.
+func (h *Host) WaitLoaded(ctx context.Context) error {
+	if h.loaded == nil {
+		return nil
+	}
+	select {
+	case <-h.loaded:
+		return h.loadErr
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // NewNative returns a Host running a native Go policy: newPolicy builds the
@@ -246,10 +370,23 @@ func NewNative(newPolicy func() guest.Policy, idx Index, cfg Config) (*Host, err
 }
 
 func start(ctx context.Context, name string, idx Index, cfg Config, b backend, canFallback bool) (*Host, error) {
-	h := &Host{name: name, idx: idx, cfg: cfg, log: cfg.Logger.With("policy", name), canFallback: canFallback}
+	h, err := newHost(name, idx, cfg, canFallback)
+	if err != nil {
+		return nil, err
+	}
 	if wb, ok := b.(*wasmBackend); ok {
 		wb.slow = &h.stats.slowCalls // kept when the backend is closed
 	}
+	if err := h.serve(ctx, b, h.initCfg); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// newHost returns a Host with its ledgers and configurations, no backend
+// yet.
+func newHost(name string, idx Index, cfg Config, canFallback bool) (*Host, error) {
+	h := &Host{name: name, idx: idx, cfg: cfg, log: cfg.Logger.With("policy", name), canFallback: canFallback}
 	h.ledgers = make([]ledger, cfg.Shards)
 	for i := range h.ledgers {
 		h.ledgers[i] = newLedger()
@@ -263,12 +400,18 @@ func start(ctx context.Context, name string, idx Index, cfg Config, b backend, c
 			return nil, err
 		}
 	}
-	shards, err := h.buildShards(ctx, b, h.initCfg)
+	return h, nil
+}
+
+// serve builds the shards of b, configured with configs, and makes them
+// the Host's.
+func (h *Host) serve(ctx context.Context, b backend, configs [][]byte) error {
+	shards, err := h.buildShards(ctx, b, configs)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	h.mu.backend, h.mu.shards = b, shards
-	return h, nil
+	return nil
 }
 
 // buildShards creates every shard of b, initialised with configs (one per
@@ -413,7 +556,10 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 			h.stats.replacements.Add(1)
 			built = true
 			configs := h.initCfg
-			if h.mu.fallback {
+			switch {
+			case h.mu.loading:
+				configs = h.interimCfg
+			case h.mu.fallback:
 				configs = h.fallbackCfg
 			}
 			inst, err := h.build(ctx, h.mu.backend, s, configs[s.id])
@@ -489,7 +635,7 @@ func callerDone(ctx context.Context) error {
 func (h *Host) failed(e *Error) *switchError {
 	h.stats.failures.Add(1)
 	h.log.Warn("policy plugin failed; replacing the instance", "hook", e.Hook, "shard", e.Shard, "err", e.Err)
-	if !h.canFallback || h.mu.fallback {
+	if !h.canFallback || h.mu.fallback || h.mu.loading {
 		return nil
 	}
 	now := time.Now()
@@ -547,7 +693,8 @@ func (h *Host) switchToFallback(ctx context.Context, cause *Error) error {
 	return nil
 }
 
-// fallbackName is Config.FallbackName with its default.
+// fallbackName is Config.FallbackName with its default (InterimName once
+// the interim policy serves as the fallback). Call it under h.mu.
 func (h *Host) fallbackName() string {
 	if h.cfg.FallbackName == "" {
 		return "native"
@@ -1064,7 +1211,7 @@ func (h *Host) Stats() Stats {
 	s := h.stats.snapshot()
 	h.mu.RLock()
 	defer h.mu.RUnlock()
-	s.Fallback, s.FallbackReason = h.mu.fallback, h.mu.reason
+	s.Fallback, s.FallbackReason, s.Loading = h.mu.fallback, h.mu.reason, h.mu.loading
 	if s.Fallback {
 		s.FallbackPolicy = h.fallbackName()
 	}
@@ -1075,7 +1222,19 @@ func (h *Host) Stats() Stats {
 }
 
 // Close implements Policy: it closes every instance and the runtime.
+// A Host still loading its module (Config.Interim) waits for the load to
+// end, which cannot be cut short, and closes the module too, so that
+// nothing of the Host runs on, or writes to the compilation cache, after
+// Close.
 func (h *Host) Close(ctx context.Context) error {
+	err := h.close(ctx)
+	if h.loaded != nil {
+		<-h.loaded
+	}
+	return err
+}
+
+func (h *Host) close(ctx context.Context) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.mu.closed {

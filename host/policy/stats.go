@@ -67,6 +67,9 @@ type Stats struct {
 	FallbackPolicy string
 	// Backend is "wasm" or "native": what answers calls now.
 	Backend string
+	// Loading is true while the Host serves Config.Interim and its
+	// module is still loading.
+	Loading bool
 }
 
 // counters are the atomic counters behind Stats.

@@ -56,8 +56,8 @@ type wasmBackend struct {
 	// the backend (a close at reload, a switch to the fallback).
 	slow *atomic.Uint64
 
-	mu    sync.Mutex
-	spare *wasmInstance // the instance probed at load, used by the first shard
+	mu     sync.Mutex
+	spares []*wasmInstance // made ahead (the instance probed at load, prepare's), used by the next shards built
 }
 
 // newWasmBackend meters module (host/policy/internal/meter), compiles it,
@@ -131,7 +131,7 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 	if len(info.Problems) > 0 {
 		return nil, fmt.Errorf("%w: %s: %s", ErrModule, name, strings.Join(info.Problems, "; "))
 	}
-	b.feats, b.spare = info.Features, probe
+	b.feats, b.spares = info.Features, []*wasmInstance{probe}
 	return b, nil
 }
 
@@ -272,10 +272,10 @@ func (b *wasmBackend) features() abi.Feature { return b.feats }
 
 func (b *wasmBackend) close(ctx context.Context) error {
 	b.mu.Lock()
-	if b.spare != nil {
-		b.spare.close(ctx)
-		b.spare = nil
+	for _, in := range b.spares {
+		in.close(ctx)
 	}
+	b.spares = nil
 	b.mu.Unlock()
 	var err error
 	if b.r != nil {
@@ -321,27 +321,60 @@ func (b *wasmBackend) instantiate(ctx context.Context) (*wasmInstance, error) {
 
 func (b *wasmBackend) newInstance(ctx context.Context, shard int) (instance, error) {
 	b.mu.Lock()
-	in := b.spare
-	b.spare = nil
+	var in *wasmInstance
+	if n := len(b.spares); n > 0 {
+		in, b.spares = b.spares[n-1], b.spares[:n-1]
+	}
 	b.mu.Unlock()
-	if in == nil {
-		var err error
-		if in, err = b.instantiate(ctx); err != nil {
-			return nil, err
-		}
-		version, feats, err := in.identify(ctx)
-		if err == nil && (version != abi.Version || feats != b.feats) {
-			err = fmt.Errorf("ABI version %d and features %s differ from the first instance's (%d, %s)", version, feats, abi.Version, b.feats)
-		}
-		if err == nil {
-			err = in.reserve(ctx) // the probed spare has its area
-		}
-		if err != nil {
-			in.close(ctx)
-			return nil, err
-		}
+	if in != nil {
+		return in, nil
+	}
+	return b.checked(ctx)
+}
+
+// checked makes an instance and checks it as the probe was: the same
+// version and features, a valid scratch area.
+func (b *wasmBackend) checked(ctx context.Context) (*wasmInstance, error) {
+	in, err := b.instantiate(ctx)
+	if err != nil {
+		return nil, err
+	}
+	version, feats, err := in.identify(ctx)
+	if err == nil && (version != abi.Version || feats != b.feats) {
+		err = fmt.Errorf("ABI version %d and features %s differ from the first instance's (%d, %s)", version, feats, abi.Version, b.feats)
+	}
+	if err == nil {
+		err = in.reserve(ctx)
+	}
+	if err != nil {
+		in.close(ctx)
+		return nil, err
 	}
 	return in, nil
+}
+
+// prepare makes spare instances, in parallel, until n are ready for the
+// shards built next: a Host that switches to b builds its shards under
+// its lock, where a Go guest's _initialize would hold every call up.
+func (b *wasmBackend) prepare(ctx context.Context, n int) error {
+	b.mu.Lock()
+	missing := n - len(b.spares)
+	b.mu.Unlock()
+	made := make([]*wasmInstance, max(missing, 0))
+	errs := make([]error, len(made))
+	var wg sync.WaitGroup
+	for i := range made {
+		wg.Go(func() { made[i], errs[i] = b.checked(ctx) })
+	}
+	wg.Wait()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, in := range made {
+		if in != nil {
+			b.spares = append(b.spares, in)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // hostLog implements kvhost.log(level, ptr, len).

@@ -301,6 +301,12 @@ type Policy struct {
 	// MaxFailures within FailureWindow switch to the native fallback policy.
 	MaxFailures   int      `toml:"max_failures"`
 	FailureWindow Duration `toml:"failure_window"` // the window MaxFailures are counted in; default 1m
+	// LoadTimeout is the longest the start waits for a plugin file's
+	// module (compiled, validated, its instances made) before it serves
+	// the native fallback policy meanwhile; 0 serves it at once. A
+	// built-in policy serves its native build from the start whatever
+	// it says. Default 5s.
+	LoadTimeout Duration `toml:"load_timeout"`
 	// Params are passed to the plugin's kvhost_init as key=value lines.
 	Params map[string]any `toml:"params"`
 }
@@ -541,6 +547,7 @@ func Default() Config {
 			CallTimeout:   Duration(100 * time.Millisecond),
 			MaxFailures:   3,
 			FailureWindow: Duration(time.Minute),
+			LoadTimeout:   Duration(5 * time.Second),
 		},
 		Engine: Engine{StagingMemory: 256 << 20, YieldBytes: 1 << 20, VerifyInterval: Duration(time.Second), RestartHold: Duration(10 * time.Second)},
 		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: DefaultHighWatermark, LowWatermark: DefaultLowWatermark}},
@@ -953,6 +960,8 @@ func (c *Config) Validate() error {
 		return bad("policy.max_failures", "at least 1", c.Policy.MaxFailures)
 	case c.Policy.FailureWindow <= 0:
 		return bad("policy.failure_window", "a positive duration", c.Policy.FailureWindow)
+	case c.Policy.LoadTimeout < 0:
+		return bad("policy.load_timeout", "0 or a positive duration", c.Policy.LoadTimeout)
 	}
 	for k, v := range c.Policy.Params {
 		switch v.(type) {

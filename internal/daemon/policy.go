@@ -271,6 +271,16 @@ func Build(ctx context.Context, cfg config.Config, o BuildOptions) (*Policy, err
 			"fallback", fb.Name, "keys", strings.Join(fb.Ignored, ","))
 	}
 	pcfg.OnCall = o.OnCall
+	// The module compiles in the background: a built-in policy serves
+	// its native build (the same Go code) from the start, a plugin file
+	// the native fallback once policy.load_timeout has passed; the
+	// plugin replaces it when loaded (docs/policy-host.md, Loading).
+	if native, ok := plugins.Native(name); ok && builtin {
+		pcfg.Interim, pcfg.InterimName, pcfg.InterimParams = native, name+" (native)", pcfg.Params
+	} else if !builtin {
+		pcfg.Interim, pcfg.InterimName, pcfg.InterimParams = fb.New, fb.Name, fb.Params
+		pcfg.LoadTimeout = time.Duration(cfg.Policy.LoadTimeout)
+	}
 	if pcfg.CacheDir == "" {
 		pcfg.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")
 	}
@@ -283,7 +293,9 @@ func Build(ctx context.Context, cfg config.Config, o BuildOptions) (*Policy, err
 			start := time.Now()
 			h, err := policy.Open(ctx, module, name, idx, pcfg)
 			if err == nil {
-				log.Info("policy ready", "policy", name, "shards", h.Shards(), "took", time.Since(start).String())
+				if !h.Stats().Loading {
+					log.Info("policy ready", "policy", name, "shards", h.Shards(), "took", time.Since(start).String())
+				}
 				b.host = h
 				return h, nil
 			}
@@ -339,6 +351,14 @@ func StartPolicy(ctx context.Context, cfg config.Config) (*Policy, abi.Feature, 
 	p, err := b.New(noEntries{})
 	if err != nil {
 		return nil, 0, err
+	}
+	// The checks judge the module itself, not the policy serving while
+	// it loads: wait for it, and fail as the module would.
+	if b.host != nil {
+		if err := b.host.WaitLoaded(ctx); err != nil {
+			_ = p.Close(ctx)
+			return nil, 0, fmt.Errorf("policy %s: %w", b.Name, err)
+		}
 	}
 	features := p.Features()
 	return b, features, p.Close(ctx)

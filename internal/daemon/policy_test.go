@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/policytest"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/testwasm"
 	"github.com/kvhost/kvhost/plugins"
 )
 
@@ -138,6 +139,9 @@ func TestFailingPluginFallsBackToAMountAwarePolicy(t *testing.T) {
 				t.Fatalf("%v (build the fixtures with `make wasm`)", err)
 			}
 			defer p.Close(ctx)
+			if err := b.Host().WaitLoaded(ctx); err != nil { // the fallback serves until the plugin has loaded
+				t.Fatal(err)
+			}
 			ns := abi.NamespaceRecord{Fingerprint: 1, MountCount: uint32(len(tt.mounts)), KeyBytes: 1}
 			rec := abi.NameRecord{Fingerprint: 1, MountCount: ns.MountCount}
 			rec.SetKey([]byte("k"))
@@ -253,5 +257,36 @@ func writeTestFile(t *testing.T, file string, b []byte) {
 	t.Helper()
 	if err := os.WriteFile(file, b, 0o644); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestBuiltinServesItsNativeBuildWhileItsModuleLoads: a daemon's start
+// does not wait for a built-in policy's module to compile (seconds
+// without the compilation cache): the policy's native build serves at
+// once, and the module replaces it once loaded.
+func TestBuiltinServesItsNativeBuildWhileItsModuleLoads(t *testing.T) {
+	ctx := context.Background()
+	cfg := config.Default()
+	cfg.Policy.Name, cfg.Policy.Shards, cfg.Policy.CacheDir = "lfu", 2, testwasm.Dir()
+	if cfg.Policy.CacheDir == "" {
+		cfg.Policy.CacheDir = t.TempDir()
+	}
+	b, err := Build(ctx, cfg, BuildOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := b.New(policytest.NewIndex())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close(ctx)
+	if st := b.Host().Stats(); !st.Loading || st.Backend != "native" {
+		t.Fatalf("right after the start: loading %v, backend %q; want lfu's native build serving while its module loads", st.Loading, st.Backend)
+	}
+	if err := b.Host().WaitLoaded(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := b.Host().Stats(); st.Loading || st.Backend != "wasm" || st.Fallback {
+		t.Fatalf("once loaded: loading %v, backend %q, fallback %v; want the module serving", st.Loading, st.Backend, st.Fallback)
 	}
 }
