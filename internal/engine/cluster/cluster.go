@@ -855,7 +855,10 @@ func (c *Mount) forgetGone(read map[string]bool) {
 // times, its summary grown between each two, ran through the probes:
 // flocks do not reach between the two nodes (an NFS mount with
 // local_lock=flock, local_lock=all or nolock on either), and this node
-// says so, once. Called with c.mu held.
+// says so, once; but not of a node without a lock file, nor where this
+// node found flocks shared with another node: such a summary is stray
+// or forged (or its node's own mount keeps flocks local), which a
+// warning naming the summary file says, once. Called with c.mu held.
 func (c *Mount) probeLocks(fresh []*clustercap.Summary, now int64) {
 	var due []*clustercap.Summary
 	for _, s := range fresh {
@@ -885,6 +888,18 @@ func (c *Mount) probeLocks(fresh []*clustercap.Summary, now int64) {
 			// restarted in between (its lock free while it was down), which
 			// says nothing of whether flocks reach it. Counted anew.
 			p.free, p.seq, p.run = 1, s.Seq, s.Run
+		case c.dir.LockMissing(s.Node) || len(c.shared) > 0:
+			// No lock file at all: no node runs under the name (a running
+			// one locks its file again at its next interval). Or flocks
+			// reach between this node and another: a free lock says more of
+			// the summary than of the file system. Either way a stray or
+			// forged summary, or (a lock file there) a node whose own mount
+			// keeps its flocks local: not the diagnosis below.
+			if !p.said {
+				p.said = true
+				c.Log.Warn("engine: cluster: a fresh summary whose node does not hold its lock (no process holds its lock file, or there is none), where this node found flocks shared with another node or the lock file missing: a stray or forged summary, or a node whose mount keeps its flocks local; it is never adopted while its summary stays fresh; remove the file if no such node runs",
+					"mount", c.Root, "summary", c.dir.SummaryPath(s.Node), "lock_file_missing", c.dir.LockMissing(s.Node), "shared_with", len(c.shared))
+			}
 		case p.free == 0 || s.Seq > p.seq:
 			p.free++
 			p.seq = s.Seq
