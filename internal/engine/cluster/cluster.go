@@ -1102,13 +1102,25 @@ func (c *Mount) cutsOf(now int64) []*clustercap.Summary {
 
 // adoptedNames names the dead nodes whose files c.own counts whole: this
 // node holds their adoption and a walk of the mount for them completed
-// (Summary.Adopted). Called with c.mu held.
+// (Summary.Adopted), and no other live summary names them. Called with c.mu held.
 func (c *Mount) adoptedNames() []string {
 	dead := *c.dead.Load()
+	// A node another live summary names adopted is left out: that
+	// summary is its last adopter's, which stopped (a SIGKILL leaves it
+	// fresh for three intervals), and two summaries naming one dead node
+	// would say it has two adopters. This node counts the dead node's
+	// files meanwhile, and so does that summary: twice, on the side of
+	// the bound.
+	named := map[string]bool{}
+	for _, p := range c.peers {
+		for _, n := range p.Adopted {
+			named[n] = true
+		}
+	}
 	var out []string
 	for _, node := range c.dir.Adopted() {
 		tag := clustercap.Tag(node)
-		if _, walked := c.walked[tag]; walked && dead[tag] {
+		if _, walked := c.walked[tag]; walked && dead[tag] && !named[node] {
 			out = append(out, node)
 		}
 	}
