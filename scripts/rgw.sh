@@ -9,6 +9,9 @@
 #   scripts/rgw.sh down DIR      stop every daemon, remove DIR
 #   scripts/rgw.sh kill-rgw DIR  SIGKILL the radosgw (fault tests)
 #   scripts/rgw.sh start-rgw DIR start the radosgw again
+#   scripts/rgw.sh pause-rgw DIR, resume-rgw DIR
+#                                SIGSTOP, SIGCONT the radosgw: an endpoint
+#                                that accepts connections and never answers
 #   scripts/rgw.sh install       only install the packages; exit status 3
 #                                when they cannot be installed here
 #   scripts/rgw.sh run [--skip-uninstallable] [--dir DIR] CMD...
@@ -44,7 +47,7 @@ die() {
 }
 
 usage() {
-	echo "usage: $0 up DIR | down DIR | kill-rgw DIR | start-rgw DIR | install | run [--skip-uninstallable] [--dir DIR] CMD..." >&2
+	echo "usage: $0 up DIR | down DIR | kill-rgw DIR | start-rgw DIR | pause-rgw DIR | resume-rgw DIR | install | run [--skip-uninstallable] [--dir DIR] CMD..." >&2
 	exit 2
 }
 
@@ -69,6 +72,10 @@ rgw_data = $DIR/rgw
 rgw_dns_name = 127.0.0.1
 rgw_enable_usage_log = false
 rgw_thread_pool_size = 64
+# No metadata cache, hence no watch on the cluster's control objects: a
+# killed radosgw's watch would stall the next one's bucket changes until
+# the OSD timed it out (30 s), and the fault tests kill it.
+rgw_cache_enabled = false
 rgw_init_timeout = $TIMEOUT
 client_mount_timeout = $TIMEOUT
 # Without authentication the monitor's connections cannot be "secure",
@@ -178,6 +185,10 @@ down)
 	exit "$rc"
 	;;
 kill-rgw) kill_rgw KILL ;;
+pause-rgw | resume-rgw)
+	[ -s "$DIR/run/client.rgw.a.pid" ] || die "no radosgw runs under $DIR"
+	kill "-$([ "$cmd" = pause-rgw ] && echo STOP || echo CONT)" "$(cat "$DIR/run/client.rgw.a.pid")"
+	;;
 start-rgw) start_rgw ;;
 *) usage ;;
 esac

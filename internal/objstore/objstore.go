@@ -160,8 +160,12 @@ type Store struct {
 
 	mu      sync.RWMutex
 	present map[string]struct{} // object names the bucket holds, as known
-	// since is what uploads added while a listing ran: kept by its end.
-	since map[string]struct{}
+	// since is what uploads added while a listing ran, gone what was
+	// found missing or bad meanwhile: the listing's end keeps both.
+	since, gone map[string]struct{}
+	// deleting are the bad objects whose removal is under way: no
+	// listing finds them.
+	deleting map[string]struct{}
 
 	queue  chan upload
 	ctx    context.Context // ended by Close
@@ -208,7 +212,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		RequestChecksumCalculation: aws.RequestChecksumCalculationWhenRequired,
 		ResponseChecksumValidation: aws.ResponseChecksumValidationWhenRequired,
 	})
-	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
+	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: map[string]struct{}{}, deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
 	if err := s.checkBucket(ctx); err != nil {
 		return nil, err
 	}
@@ -271,6 +275,7 @@ func (s *Store) add(name string) {
 	s.present[name] = struct{}{}
 	if s.since != nil {
 		s.since[name] = struct{}{}
+		delete(s.gone, name)
 	}
 	s.mu.Unlock()
 }
@@ -281,6 +286,7 @@ func (s *Store) forget(name string) {
 	delete(s.present, name)
 	if s.since != nil {
 		delete(s.since, name)
+		s.gone[name] = struct{}{}
 	}
 	s.mu.Unlock()
 }
@@ -291,10 +297,21 @@ func (s *Store) forget(name string) {
 func (s *Store) Bad(fp uint64, key []byte, err error) {
 	name := s.Name(fp, key)
 	s.forget(name)
+	s.mu.Lock()
+	s.deleting[name] = struct{}{}
+	s.mu.Unlock()
 	s.cfg.Logger.Warn("objstore: bad object removed", "object", name, "err", err)
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
+		defer func() {
+			s.mu.Lock()
+			delete(s.deleting, name)
+			if s.gone != nil {
+				s.gone[name] = struct{}{} // a listing under way may have found it
+			}
+			s.mu.Unlock()
+		}()
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
 		defer cancel()
 		if _, err := s.client.DeleteObject(ctx, &s3.DeleteObjectInput{Bucket: &s.cfg.Bucket, Key: &name}); err != nil {
@@ -329,7 +346,7 @@ func (s *Store) checkBucket(ctx context.Context) error {
 // what uploads added while it ran.
 func (s *Store) list(ctx context.Context) error {
 	s.mu.Lock()
-	s.since = map[string]struct{}{}
+	s.since, s.gone = map[string]struct{}{}, map[string]struct{}{}
 	s.mu.Unlock()
 	found := map[string]struct{}{}
 	p := s3.NewListObjectsV2Paginator(s.client, &s3.ListObjectsV2Input{Bucket: &s.cfg.Bucket, Prefix: &s.cfg.Prefix})
@@ -350,13 +367,19 @@ func (s *Store) list(ctx context.Context) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	since := s.since
-	s.since = nil
+	since, gone := s.since, s.gone
+	s.since, s.gone = nil, nil
 	if err != nil {
 		return fmt.Errorf("objstore: listing bucket %s at %s: %w", s.cfg.Bucket, s.cfg.Endpoint, describe(err))
 	}
 	for name := range since {
 		found[name] = struct{}{}
+	}
+	for name := range gone {
+		delete(found, name)
+	}
+	for name := range s.deleting {
+		delete(found, name)
 	}
 	s.present = found
 	s.listings.Add(1)

@@ -69,7 +69,7 @@ type node struct {
 	nb    int
 }
 
-const numBlocks = 128
+const numBlocks = 256
 
 func openNode(t testing.TB, dir string, cfg objstore.Config) *node {
 	t.Helper()
@@ -157,8 +157,8 @@ func (n *node) put(t testing.TB, keys [][]byte, blocks [][]int) {
 	}
 }
 
-func (n *node) load(t testing.TB, keys [][]byte, blocks [][]int) engine.Result {
-	t.Helper()
+// clearBlocks zeroes the blocks.
+func (n *node) clearBlocks(blocks [][]int) {
 	for _, bl := range blocks {
 		for l := range n.geo.Layers {
 			for p := range 2 {
@@ -168,6 +168,12 @@ func (n *node) load(t testing.TB, keys [][]byte, blocks [][]int) engine.Result {
 			}
 		}
 	}
+}
+
+// load zeroes the blocks and loads keys into them.
+func (n *node) load(t testing.TB, keys [][]byte, blocks [][]int) engine.Result {
+	t.Helper()
+	n.clearBlocks(blocks)
 	return wait(t)(n.eng.Load(context.Background(), engine.LoadRequest{Cache: n.cache, Keys: keys, Blocks: blocks}))
 }
 
@@ -189,6 +195,8 @@ func wait(t testing.TB) func(*engine.Job, error) engine.Result {
 	}
 }
 
+func newRand(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 7)) }
+
 func fill(r *rand.Rand, b []byte) {
 	for i := range b {
 		b[i] = byte(r.Uint32())
@@ -200,8 +208,7 @@ func fill(r *rand.Rand, b []byte) {
 // key's bytes.
 func storeKeys(t testing.TB, a *node, prefix string, n int) ([][]byte, [][]byte) {
 	t.Helper()
-	r := rand.New(rand.NewPCG(uint64(n), 7))
-	fill(r, a.mem)
+	fill(newRand(uint64(n)), a.mem)
 	keys := make([][]byte, n)
 	for i := range keys {
 		keys[i] = fmt.Appendf(nil, "%s-%03d", prefix, i)

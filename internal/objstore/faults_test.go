@@ -1,0 +1,166 @@
+package objstore_test
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/engine"
+	"github.com/kvhost/kvhost/internal/testwait"
+)
+
+// rgwCtl runs scripts/rgw.sh CMD on the test's RGW (KVHOST_RGW_DIR, which
+// scripts/rgw.sh run sets), or skips without one.
+func rgwCtl(t testing.TB, cmd string) {
+	t.Helper()
+	dir := os.Getenv("KVHOST_RGW_DIR")
+	if dir == "" {
+		t.Skip("KVHOST_RGW_DIR is not set: the fault tests run under scripts/rgw.sh run (make test-objects)")
+	}
+	out, err := exec.Command(filepath.Join("..", "..", "scripts", "rgw.sh"), cmd, dir).CombinedOutput()
+	if err != nil {
+		t.Fatalf("rgw.sh %s: %v\n%s", cmd, err, out)
+	}
+}
+
+// restartRGW starts the radosgw again when the test ends (and now, if
+// asked), waiting until it answers.
+func restartRGW(t testing.TB) {
+	t.Helper()
+	t.Cleanup(func() { rgwCtl(t, "resume-rgw"); rgwCtl(t, "start-rgw") })
+}
+
+// checkOutcomes fails the test where a key loaded other bytes than
+// stored, and returns how many loaded and failed.
+func checkOutcomes(t testing.TB, n *node, res engine.Result, keys, want [][]byte, into [][]int) (loaded, failed, missing int) {
+	t.Helper()
+	for i, k := range res.Keys {
+		switch k.Outcome {
+		case engine.OutcomeLoaded:
+			loaded++
+			if !bytes.Equal(n.data(into[i]), want[i]) {
+				t.Errorf("key %s: loaded with other bytes than stored", keys[i])
+			}
+		case engine.OutcomeFailed:
+			failed++
+			t.Logf("key %s: failed: %v", keys[i], k.Err)
+		default:
+			missing++
+		}
+	}
+	return loaded, failed, missing
+}
+
+// TestRGWKilledMidGetFailsTheLoadWithinItsBoundAndLoadsNothingWrong: the
+// radosgw SIGKILLed while a load's ranged GETs run (small ranges, one
+// request at a time, so that the load lasts): the load ends within its
+// bound, every key loaded with its bytes or failed (some failed), and
+// once the radosgw is back the keys load whole.
+func TestRGWKilledMidGetFailsTheLoadWithinItsBoundAndLoadsNothingWrong(t *testing.T) {
+	cfg := rgwConfig(t)
+	rgwCtl(t, "start-rgw")
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	keys, want := storeKeys(t, a, "midget", 4)
+	slow := cfg
+	slow.Requests, slow.RangeSize, slow.RequestTimeout = 1, 64<<10, 2*time.Second
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), slow)
+	into := b.blocks(len(keys), 0)
+	b.clearBlocks(into)
+	restartRGW(t)
+	start := time.Now()
+	j, err := b.eng.Load(context.Background(), engine.LoadRequest{Cache: b.cache, Keys: keys, Blocks: into})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "the load's first GETs", time.Minute, func() bool { return b.store.Stats().Gets >= 20 })
+	rgwCtl(t, "kill-rgw")
+	res := wait(t)(j, nil)
+	took := time.Since(start)
+	loaded, failed, _ := checkOutcomes(t, b, res, keys, want, into)
+	if failed == 0 {
+		t.Fatalf("every key loaded (%d) before the radosgw was killed: the test did not kill it mid-GET", loaded)
+	}
+	// Three attempts of a request, each refused at once, and their backoff.
+	if bound := 3 * (slow.RequestTimeout + time.Second); took > bound {
+		t.Fatalf("the load took %v with the radosgw dead, past %v", took, bound)
+	}
+	t.Logf("killed mid-GET: %d loaded, %d failed, in %v", loaded, failed, took.Round(time.Millisecond))
+	rgwCtl(t, "start-rgw")
+	loadAndCompare(t, b, keys, want)
+}
+
+// TestRGWPausedEndpointFailsTheLoadWithinTheRequestTimeout: a radosgw
+// that accepts connections and never answers (SIGSTOP) fails a load
+// within its requests' timeouts, loading nothing wrong.
+func TestRGWPausedEndpointFailsTheLoadWithinTheRequestTimeout(t *testing.T) {
+	cfg := rgwConfig(t)
+	rgwCtl(t, "start-rgw")
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	keys, want := storeKeys(t, a, "paused", 2)
+	hung := cfg
+	hung.RequestTimeout = time.Second
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), hung)
+	restartRGW(t)
+	rgwCtl(t, "pause-rgw")
+	into := b.blocks(len(keys), 0)
+	start := time.Now()
+	res := b.load(t, keys, into)
+	took := time.Since(start)
+	loaded, failed, _ := checkOutcomes(t, b, res, keys, want, into)
+	if loaded != 0 || failed != len(keys) {
+		t.Fatalf("with the endpoint paused: %d loaded, %d failed, want every key failed", loaded, failed)
+	}
+	if bound := 3*hung.RequestTimeout + 2*time.Second; took > bound {
+		t.Fatalf("the load took %v with the endpoint paused, past %v", took, bound)
+	}
+	t.Logf("paused endpoint: %d failed in %v", failed, took.Round(time.Millisecond))
+}
+
+// TestRGWKilledMidPutPublishesNoHalfObject: the radosgw SIGKILLed while
+// multipart uploads run (one part at a time): every key another node then
+// finds in the bucket loads with its bytes, the others are misses, and
+// none fails its checks.
+func TestRGWKilledMidPutPublishesNoHalfObject(t *testing.T) {
+	cfg := rgwConfig(t)
+	rgwCtl(t, "start-rgw")
+	slow := cfg
+	slow.Requests, slow.Uploads, slow.RequestTimeout = 1, 1, 2*time.Second
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), slow)
+	restartRGW(t)
+	r := newRand(11)
+	fill(r, a.mem)
+	const n = 8
+	keys := make([][]byte, n)
+	for i := range keys {
+		keys[i] = []byte("midput-" + string(rune('a'+i)))
+	}
+	src := a.blocks(n, 0)
+	a.put(t, keys, src)
+	want := make([][]byte, n)
+	for i := range keys {
+		want[i] = a.data(src[i])
+	}
+	testwait.Until(t, "the first upload", time.Minute, func() bool { return a.store.Stats().Uploaded >= 1 })
+	rgwCtl(t, "kill-rgw")
+	testwait.Until(t, "every upload to end", 2*time.Minute, func() bool {
+		st := a.store.Stats()
+		return st.Uploaded+st.Failed == n
+	})
+	st := a.store.Stats()
+	if st.Failed == 0 {
+		t.Fatalf("every upload succeeded (%+v): the test did not kill the radosgw mid-PUT", st)
+	}
+	rgwCtl(t, "start-rgw")
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	into := b.blocks(n, 0)
+	res := b.load(t, keys, into)
+	loaded, failed, missing := checkOutcomes(t, b, res, keys, want, into)
+	if failed != 0 || loaded == 0 {
+		t.Fatalf("after the kill: %d loaded, %d failed, %d missing; want none failed and some loaded", loaded, failed, missing)
+	}
+	t.Logf("killed mid-PUT: uploads %d done, %d failed; another node loads %d, misses %d", st.Uploaded, st.Failed, loaded, missing)
+}
