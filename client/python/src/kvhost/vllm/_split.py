@@ -23,8 +23,8 @@ once the group has arrived, so the model runs the pipeline: group j
 arrives at latency + load x (layers up to j) / L and is computed after
 both its arrival and the group before it. Where load and computation
 are about even, that costs about one group's work, which is why a slow
-mount gets one layer per job: a job holds the fewest layers that keep it
-at least job_s long at the rate (layers_per_job), at most the configured.
+mount (one layer's load alone at least job_s long) gets one layer per
+job, any other layers_per_load (layers_per_job).
 
 The rate is learned from the loads the workers time (observe_load); the
 prefill model's shape (fixed, a, b) is configured and its scale s learned
@@ -195,20 +195,21 @@ class CostModel:
         return self._scale * (self.fixed + self.a * n + self.b * (total * total - cached * cached) / 2.0)
 
     def layers_per_job(self, tokens):
-        """Layers per load job for a load of tokens tokens: the fewest that
-        keep a job at least job_s long at the rate (a job's fixed cost,
-        a pass over every file, is then small beside its bytes), at most
-        layers_per_load. At tmpfs rates that is the most; from a disk,
-        where one layer's load outlasts job_s, one: the pipeline then
-        waits for one layer at its ends, not for a group. (Fewer layers
-        than that made loads of files not registered with CUDA, whose
-        jobs cost most, 1.8x slower, and a slower rate then asked for
-        smaller jobs still.)"""
+        """Layers per load job for a load of tokens tokens: one where one
+        layer's load alone takes job_s at the rate (a disk: the pipeline
+        then waits for one layer at its ends, not for a group, and a
+        job's fixed cost is small beside its bytes), else layers_per_load.
+        Two regimes, not a size per rate: jobs sized down with the rate
+        cost loads of files not registered with CUDA (whose jobs cost
+        most) 1.8-2x their TTFT on the H200, and the slower rate they
+        measured asked for smaller jobs still. Measured with one-layer
+        jobs, such a mount still moves a layer well within job_s, so it
+        returns to layers_per_load at its next load."""
         cap = self.max_layers_per_load
         if cap <= 1 or self.layers <= 1 or tokens <= 0 or self.job_s <= 0:
             return cap
         layer_s = tokens * self.bytes_per_token / self.layers / self._rate
-        return max(1, min(cap, math.ceil(self.job_s / layer_s)))
+        return 1 if layer_s >= self.job_s else cap
 
     def ttft_s(self, total, computed, k, job_tokens=None):
         """The modelled time to first token when k tokens are cached after
