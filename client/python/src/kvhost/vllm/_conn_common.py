@@ -42,7 +42,7 @@ OPTIONS = {
     "mount_media": None,        # {daemon mount index: medium name}: a move between media is reported
     "layers_per_load": 4,       # layers per load job (4: the fastest on the H200; 1: every layer waits only for its own)
     "layer_groups": "ramp",     # "ramp": the first and last load jobs one layer each, the rest layers_per_load; "even"
-    "load_job_ms": 12.0,        # one layer per load job where a layer's load takes this long at the learned rate, else layers_per_load (0: always layers_per_load)
+    "load_job_ms": 25.0,        # one layer per load job where a layer's load takes this long at the learned rate, else layers_per_load (0: always layers_per_load)
     "load_split": "auto",       # "auto": load or recompute; "all": claim every cached token; "off": load nothing
     "load_gbps": 2.0,           # the load rate the split starts from (GB/s, per worker), then measured
     "load_latency_ms": 1.0,     # a load's fixed cost
