@@ -10,14 +10,16 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // Objects is an object mount behind the file mounts (Config.Objects;
 // package objstore): one object per key, in the file format, shared by
 // every node of a bucket and kept across restarts and node replacement.
 // The engine loads a key from it where no file of its mounts holds the
-// key, straight into the cache's blocks through the CPU path (each read of
-// the file it opens is a ranged request), verified as a file's load is;
+// key, straight into the cache's blocks through the store's mover (each
+// read of the file it opens is a ranged request), verified as a file's
+// load is;
 // and it tells it of every one-key file it publishes, which the store may
 // copy in the background. Its methods may be called from many goroutines
 // at once.
@@ -36,6 +38,9 @@ type Objects interface {
 	// Bad tells the store that its object of key failed the load's
 	// checks (err says how): it forgets, and may remove, the object.
 	Bad(fp uint64, key []byte, err error)
+	// Mover moves the plans of the files Open returns into host memory,
+	// computing their checksums.
+	Mover() transfer.Mover
 }
 
 // objectHeaderRead is the first read of an object's header: the header
@@ -112,7 +117,7 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 	plan, sk := c.plan(h, want, func(int) []int { return blocks[i] }, &mount{}, lr, by)
 	sums := make([]uint32, plan.Sums)
 	io := e.busy.io.Begin()
-	_, err = e.mv.host.For(false).ReadFile(ctx, f, plan, sums)
+	_, err = obj.Mover().ReadFile(ctx, f, plan, sums)
 	if err == nil {
 		err = sk.read(ctx, f, sums)
 	}

@@ -14,10 +14,13 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // memObjects is an Objects in memory: Published copies the file at once.
 type memObjects struct {
+	mv   transfer.Mover // the CPU path: memObject's reads are copies
 	mu   sync.Mutex
 	objs map[string][]byte
 	bad  []string
@@ -51,6 +54,18 @@ func (o *memObjects) Bad(fp uint64, key []byte, _ error) {
 	defer o.mu.Unlock()
 	o.bad = append(o.bad, objName(fp, key))
 	delete(o.objs, objName(fp, key))
+}
+
+func (o *memObjects) Mover() transfer.Mover { return o.mv }
+
+// newMemObjects returns an empty memObjects, its mover closed when t ends.
+func newMemObjects(t *testing.T) *memObjects {
+	mv, err := staging.NewMover(staging.Config{Workers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mv.Close() })
+	return &memObjects{mv: mv, objs: map[string][]byte{}}
 }
 
 // memObject reads an object of memObjects; it writes nothing.
@@ -99,7 +114,7 @@ func (f *memObject) Close() error { return nil }
 // engine that shares no directory with it; a corrupted object fails its
 // load and is reported bad, and a key in neither is a miss.
 func TestObjectMountServesKeysAnotherEngineStored(t *testing.T) {
-	objs := &memObjects{objs: map[string][]byte{}}
+	objs := newMemObjects(t)
 	a := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs})
 	b := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs})
 	_, ca := declareSmall(t, a, 64)
@@ -144,7 +159,7 @@ func TestObjectMountServesKeysAnotherEngineStored(t *testing.T) {
 // another key (copied under this key's name) is corrupt, and nothing of
 // it reaches the blocks.
 func TestObjectLoadRefusesAnObjectOfAnotherKey(t *testing.T) {
-	objs := &memObjects{objs: map[string][]byte{}}
+	objs := newMemObjects(t)
 	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs})
 	_, c := declareSmall(t, e, 64)
 	r := rand.New(rand.NewPCG(3, 4))

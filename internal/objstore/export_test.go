@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"sync"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
@@ -31,4 +32,42 @@ func (r Raw) Get(ctx context.Context, name string) ([]byte, error) {
 func (r Raw) Put(ctx context.Context, name string, b []byte) error {
 	_, err := r.s.client.PutObject(ctx, &s3.PutObjectInput{Bucket: &r.s.cfg.Bucket, Key: &name, Body: bytes.NewReader(b), ContentLength: aws.Int64(int64(len(b)))})
 	return err
+}
+
+// ParallelGet reads every object of names (each of size bytes) into buf
+// (len(names)·size bytes) by ranged GETs of rangeSize, inflight at once,
+// with the store's client: the ceiling its loads are measured against.
+func (r Raw) ParallelGet(ctx context.Context, names []string, size, rangeSize int64, inflight int, buf []byte) error {
+	sem := make(chan struct{}, inflight)
+	errs := make(chan error, 1)
+	var wg sync.WaitGroup
+	for i, name := range names {
+		for off := int64(0); off < size; off += rangeSize {
+			sem <- struct{}{}
+			wg.Add(1)
+			go func() {
+				defer func() { <-sem; wg.Done() }()
+				end := min(off+rangeSize, size)
+				rng := fmt.Sprintf("bytes=%d-%d", off, end-1)
+				out, err := r.s.client.GetObject(ctx, &s3.GetObjectInput{Bucket: &r.s.cfg.Bucket, Key: &name, Range: &rng})
+				if err == nil {
+					_, err = io.ReadFull(out.Body, buf[int64(i)*size+off:int64(i)*size+end])
+					out.Body.Close()
+				}
+				if err != nil {
+					select {
+					case errs <- err:
+					default:
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	select {
+	case err := <-errs:
+		return err
+	default:
+		return nil
+	}
 }
