@@ -4,6 +4,7 @@ save takes, what a load costs the split, and the namespaces of pipeline
 stages."""
 
 import pathlib
+import pickle
 import sys
 import unittest
 
@@ -11,12 +12,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
+import kvhost  # noqa: E402
+import test_vllm_connector as dc  # noqa: E402
 from kvhost import protocol as p  # noqa: E402
 from kvhost.vllm import _conn_groups as G  # noqa: E402
 from kvhost.vllm import connector as C  # noqa: E402
-from test_vllm_connector import BLOCK, NAMES, offloading_config  # noqa: E402
+from test_vllm_connector import BLOCK, NAMES, PAGE, offloading_config  # noqa: E402
 
-PAGE = 8192
 BPC = 2
 CHUNK = BPC * BLOCK
 
@@ -112,6 +114,157 @@ class Stages(unittest.TestCase):
         geos = [C.geometry(C.identity(stage(s), o), 1) for s in (0, 1)]
         self.assertNotEqual(geos[0].model, geos[1].model)
         self.assertEqual([g.layers for g in geos], [half, half])
+
+
+# -- a hybrid model's round trip without vLLM -----------------------------------------
+
+
+class FullAttentionSpec:
+    """A stand-in of vLLM's spec of that name (the connector reads a spec's
+    class names, page size, window and dtype)."""
+
+    def __init__(self, page):
+        self.page_size_bytes = self.real_page_size_bytes = page
+        self.dtype = "torch.bfloat16"
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    """A stand-in of vLLM's SlidingWindowSpec."""
+
+    def __init__(self, page, window):
+        super().__init__(page)
+        self.sliding_window = window
+
+
+class MambaSpec:
+    """A stand-in of vLLM's MambaSpec: a page of states per block."""
+
+    def __init__(self, page):
+        self.page_size_bytes = page
+        self.dtypes = ("torch.bfloat16", "torch.bfloat16")
+
+
+HYBRID = {"full": ["f.0", "f.1"], "window": ["w.0", "w.1"], "state": ["m.0"]}
+WINDOW = BLOCK + 1
+STATE_PAGE = 6144  # a conv state of 2,048 bytes and an SSM state of 4,096
+
+
+@unittest.skipUnless(dc.HAVE_TORCH, "needs torch (CPU)")
+class HybridWithoutVLLM(unittest.TestCase):
+    """A full-attention, a sliding-window and a state group through both
+    halves against a real daemon, vLLM's KVCacheConfig and specs stood in
+    for (what the connector reads of them): host memory here, CUDA tensors
+    in HybridOnGpu."""
+
+    cuda = False
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+        cls.torch = torch
+        cls.daemon = dc.d.Daemon()
+        cls.Connector = C.connector_class(dc.NS(KVConnectorBase_V1=None))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    setUp, tearDown = dc.DaemonTest.setUp, dc.DaemonTest.tearDown
+
+    def hybrid(self, seed=0, **extra):
+        cfg = offloading_config(self.daemon.socket, load_split="all", **extra)
+        cfg.groups = tuple(type(cfg.groups[0])(tokens_per_block=BLOCK, layer_names=tuple(n)) for n in HYBRID.values())
+        specs = [FullAttentionSpec(PAGE), SlidingWindowSpec(PAGE, WINDOW), MambaSpec(STATE_PAGE)]
+        kvc = dc.NS(kv_cache_groups=[dc.NS(layer_names=list(n), kv_cache_spec=s)
+                                     for n, s in zip(HYBRID.values(), specs)])
+        sched = self.Connector(None, "scheduler", kv_cache_config=kvc, config=cfg)
+        self.closers.append(sched.shutdown)
+        worker = self.Connector(None, "worker", kv_cache_config=kvc, config=cfg)
+        self.closers.append(worker.shutdown)
+        torch, kv, raw = self.torch, {}, {}
+        gen = torch.Generator().manual_seed(seed)
+        for names, page in zip(HYBRID.values(), (PAGE, PAGE, STATE_PAGE)):
+            for n in names:
+                bits = torch.randint(-128, 128, (dc.NBLOCKS, page), generator=gen, dtype=torch.int8)
+                if self.cuda:
+                    t = bits.to("cuda")
+                else:
+                    t, buf = kvhost.torch_host_tensor((dc.NBLOCKS, page), torch.int8, name="hybrid-groups-test")
+                    self.closers.append(buf.close)
+                    t.copy_(bits)
+                raw[n] = t
+                if page == STATE_PAGE:  # vLLM's list of a Mamba layer's state views into one page per block
+                    flat = t.view(torch.bfloat16)
+                    kv[n] = [torch.as_strided(flat, (dc.NBLOCKS, 4, 256), (page // 2, 256, 1), flat.storage_offset()),
+                             torch.as_strided(flat, (dc.NBLOCKS, 2, 16, 64), (page // 2, 1024, 64, 1),
+                                              flat.storage_offset() + 1024)]
+                else:
+                    kv[n] = t.view(torch.bfloat16)
+        worker.register_kv_caches(kv)
+        return sched, worker, raw
+
+    def step(self, sched, worker, so, finished=()):
+        meta = pickle.loads(pickle.dumps(sched.build_connector_meta(so)))  # it travels to the workers
+        sending, errors, wm = dc.worker_step(worker, meta, finished)
+        sched.update_connector_output(dc.NS(kv_connector_worker_meta=wm, finished_sending=sending))
+        return sending or set(), errors
+
+    def output(self, req, ids, computed, scheduled):
+        so = dc.new_output(req, [], computed, scheduled)
+        so.scheduled_new_reqs[0].block_ids = tuple(list(b) for b in ids)
+        return so
+
+    def test_a_prefix_round_trips_per_group_within_the_window_and_to_the_saved_state(self):
+        sched, worker, raw = self.hybrid(seed=11)
+        nblk = 4 * BPC + 1
+        state = [0] * nblk
+        state[2 * BPC - 1], state[4 * BPC - 1] = 45, 46  # states vLLM kept at chunks 1 and 3's ends
+        src = [list(range(1, 1 + nblk)), list(range(20, 20 + nblk)), state]
+        req = dc.Request("a", "hybrid-standalone", nblk)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (0, False))
+        blocks = tuple(list(b) for b in src)
+        sched.update_state_after_alloc(req, blocks, 0)
+        self.step(sched, worker, self.output(req, src, 0, req.num_tokens))
+        self.assertEqual(sched.request_finished_all_groups(req, blocks), (True, None))
+        done = {"a"}
+        dc.d.wait_for(lambda: "a" in self.step(sched, worker, dc.empty_output(done), done)[0],
+                      what="a's stores ended")
+
+        def page(n, b):
+            return bytes(raw[n][b].cpu().numpy().tobytes())
+        end = 4 * CHUNK
+        first = (end - WINDOW + 1) // BLOCK
+        dst = [list(range(30, 30 + nblk)), [0] * first + list(range(50 + first, 50 + nblk)), [0] * nblk]
+        dst[2][4 * BPC - 1] = 60
+        before = {n: [page(n, b) for b in dst[1][first - 2:first]] for n in HYBRID["window"]}
+        want = {n: [page(n, b) for b in src[i][:4 * BPC]] for i, k in enumerate(HYBRID) for n in HYBRID[k]}
+        req = dc.Request("b", "hybrid-standalone", nblk)
+        self.assertEqual(sched.get_num_new_matched_tokens(req, 0), (end, False))
+        sched.update_state_after_alloc(req, tuple(list(b) for b in dst), end)
+        _, errors = self.step(sched, worker, self.output(req, dst, end, BLOCK))
+        self.assertEqual(errors, set())
+        for n in HYBRID["full"]:
+            self.assertEqual([page(n, b) for b in dst[0][:4 * BPC]], want[n], n)
+        for n in HYBRID["window"]:
+            self.assertEqual([page(n, b) for b in dst[1][first:4 * BPC]], want[n][first:], n)
+            self.assertEqual([page(n, b) for b in dst[1][first - 2:first]], before[n], n)  # null: block 0
+        self.assertEqual(page("m.0", 60), page("m.0", 46))
+
+
+class HybridOnGpu(HybridWithoutVLLM):
+    """HybridWithoutVLLM with CUDA tensors, registered by CUDA IPC with a
+    daemon serving GPU memory (a kvhost built with cgo: $KVHOST_BIN)."""
+
+    cuda = True
+
+    @classmethod
+    def setUpClass(cls):
+        if dc.NO_GPU is not None:
+            raise unittest.SkipTest(dc.NO_GPU)
+        import torch
+        cls.torch = torch
+        cls.daemon = dc.d.Daemon(capacity="4GiB", extra_toml='[gpu]\nmode = "on"\n')
+        cls.Connector = C.connector_class(dc.NS(KVConnectorBase_V1=None))
 
 
 if __name__ == "__main__":
