@@ -192,11 +192,16 @@ func (k *kvCache) load(ctx context.Context, keys [][]byte) (loadResult, error) {
 
 // dialCache dials socket and registers a cache of slots on the connection.
 func dialCache(ctx context.Context, socket, name string, slots int) (*client.Client, *kvCache, error) {
+	return dialGeometry(ctx, socket, name, geometry, slots)
+}
+
+// dialGeometry is dialCache in the namespace of g.
+func dialGeometry(ctx context.Context, socket, name string, g client.Geometry, slots int) (*client.Client, *kvCache, error) {
 	c, err := client.Dial(ctx, socket, name)
 	if err != nil {
 		return nil, nil, err
 	}
-	k, err := newCache(ctx, c, geometry, slots)
+	k, err := newCache(ctx, c, g, slots)
 	if err != nil {
 		c.Close()
 		return nil, nil, err
