@@ -166,8 +166,11 @@ up)
 	[ -f "$DIR/ceph.conf" ] || step "write ceph.conf" write_conf
 	step "radosgw's configuration" rgw_conf
 	step "start monitor" start_mon
-	step "start osd" start_osd
-	step "start radosgw" start_rgw
+	# fd 9 is the ports' lock: the daemons must not keep it (the OSD and
+	# the radosgw start with it closed; the radosgw's port stays chosen
+	# under it until the radosgw listens).
+	step "start osd" start_osd 9>&-
+	step "start radosgw" start_rgw 9>&-
 	exec 9>&-
 	step "make the S3 user" make_user
 	printf 'rgw: %-22s %6.2f s\n' "up" "$(awk "BEGIN{print $(now)-$t0}")" >&2
