@@ -37,34 +37,58 @@ const (
 // fails t.
 func paced(t *testing.T, nodes []clusterNode, prefix string, d time.Duration) (acked, refused []int) {
 	t.Helper()
+	r := pacedEach(t, nodes, prefix, d, func(int) time.Duration { return agreePace })
+	return r.acked, r.refused
+}
+
+// pacedStores is what pacedEach's stores got, by node: acknowledged,
+// refused for room (with the last refusal's message), and the time the
+// stores took in all and at most.
+type pacedStores struct {
+	acked, refused []int
+	last           []string
+	took, slowest  []time.Duration
+}
+
+// pacedEach is paced with node n storing every pace(n) (0: back to back).
+func pacedEach(t *testing.T, nodes []clusterNode, prefix string, d time.Duration, pace func(n int) time.Duration) pacedStores {
+	t.Helper()
 	ctx := context.Background()
-	acked, refused = make([]int, len(nodes)), make([]int, len(nodes))
+	r := pacedStores{acked: make([]int, len(nodes)), refused: make([]int, len(nodes)), last: make([]string, len(nodes)),
+		took: make([]time.Duration, len(nodes)), slowest: make([]time.Duration, len(nodes))}
 	errs := make(chan error, len(nodes))
 	var wg sync.WaitGroup
+	end := time.Now().Add(d)
 	for n := range nodes {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			tick := time.NewTicker(agreePace)
-			defer tick.Stop()
-			end := time.After(d)
-			for i := 0; ; i++ {
-				select {
-				case <-end:
-					return
-				case <-tick.C:
+			var tick <-chan time.Time
+			if p := pace(n); p > 0 {
+				tk := time.NewTicker(p)
+				defer tk.Stop()
+				tick = tk.C
+			}
+			for i := 0; time.Now().Before(end); i++ {
+				if tick != nil {
+					<-tick
 				}
 				key := fmt.Appendf(nil, "%s-n%d-%06d", prefix, n+1, i)
+				start := time.Now()
 				res, err := nodes[n].k.store(ctx, [][]byte{key})
+				took := time.Since(start)
+				r.took[n] += took
+				r.slowest[n] = max(r.slowest[n], took)
 				if err != nil {
 					errs <- fmt.Errorf("node-%d: store of %s: %w", n+1, key, err)
 					return
 				}
 				switch o := res.Keys[0].Outcome; {
 				case o == client.OutcomeStored:
-					acked[n]++
+					r.acked[n]++
 				case o == client.OutcomeFailed && strings.Contains(res.Message, "no space"):
-					refused[n]++
+					r.refused[n]++
+					r.last[n] = res.Message
 				default:
 					errs <- fmt.Errorf("node-%d: store of %s: %v (%s)", n+1, key, o, res.Message)
 					return
@@ -77,7 +101,7 @@ func paced(t *testing.T, nodes []clusterNode, prefix string, d time.Duration) (a
 	for err := range errs {
 		t.Fatal(err)
 	}
-	return acked, refused
+	return r
 }
 
 // sampleMount sums the files on dir every 20 ms until the returned stop

@@ -1389,7 +1389,7 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 // pollStarved is how often a store waiting for room within its node's
 // fair share reads the directory, on a mount of cluster interval i.
 func pollStarved(i time.Duration) time.Duration {
-	return min(max(i/8, time.Millisecond), 25*time.Millisecond)
+	return min(max(i/32, time.Millisecond), 5*time.Millisecond)
 }
 
 // How long a store waits for room within its node's fair share, whatever
