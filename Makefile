@@ -56,8 +56,8 @@ c-example: sdk/c/kvhost_policy.h examples/c-policy/policy.c
 # examples are for the tests.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 build:
-	@test -x bin/kvhost || echo "building bin/kvhost with $$($(GO) env GOVERSION) (the first build downloads the Go modules and compiles them: a few minutes; later builds take seconds)"
-	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/kvhost ./cmd/kvhost
+	@test -x bin/kvhost || echo "building bin/kvhost with $$($(GO) env GOVERSION) (the first build downloads the Go modules and compiles them: a few minutes, each package named as it compiles; later builds take seconds)"
+	$(GO) build $(if $(wildcard bin/kvhost),,-v) -ldflags "-X main.version=$(VERSION)" -o bin/kvhost ./cmd/kvhost
 	@test -n "$$($(GO) env CGO_ENABLED | grep 1)" || echo "note: cgo is off (no C compiler?): this kvhost cannot load CUDA and serves host memory only"
 
 run: build

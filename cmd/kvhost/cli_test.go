@@ -277,7 +277,7 @@ func TestConfigCheck(t *testing.T) {
 			[]string{nogroup, "server.socket_group", "kvhost-no-such-group", "would not start"}},
 		{"a numeric socket group needs no group", []string{"check", gid}, 0, gid + ": ok", nil},
 		{"unknown built-in policy named", []string{"check", typo}, 1, "", []string{typo, "policy.name", `"lruu"`, "built in: "}},
-		{"a plugin file is the node's to have", []string{"check", vendor}, 0, vendor + ": ok", nil},
+		{"a plugin file missing here is refused", []string{"check", vendor}, 1, "", []string{vendor + ":2", "policy.name", "no such file here", "check there"}},
 		{"unknown key named with its line", []string{"check", bad}, 1, "", []string{bad + ":3", "server.max_clientz"}},
 		{"missing file named", []string{"check", filepath.Join(dir, "nope.toml")}, 1, "", []string{"nope.toml"}},
 		{"no file is a usage error", []string{"check"}, 2, "", []string{"usage"}},

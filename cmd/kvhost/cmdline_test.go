@@ -121,16 +121,32 @@ func TestOperatorCommandsSayASocketIsNotAKvhostDaemons(t *testing.T) {
 }
 
 // TestAnUnknownCommandIsNamedAsOne: a first word that is no command and no
-// flag ("kvhost stat") is refused as an unknown command, with the list of
-// commands, not taken for a stray argument of serve (the default command).
+// flag ("kvhost stat") is refused as an unknown command, in a few lines
+// that name the command likely meant and list the commands (not the 50
+// lines of the whole usage), not taken for a stray argument of serve (the
+// default command); `kvhost help NAME` says the same.
 func TestAnUnknownCommandIsNamedAsOne(t *testing.T) {
-	var out, errb bytes.Buffer
-	if code := run(t.Context(), []string{"stat", "--json"}, &out, &errb); code != 2 {
-		t.Fatalf("kvhost stat: exit %d, want 2; stderr:\n%s", code, errb.String())
+	tests := []struct {
+		args  []string
+		wants []string
+	}{
+		{[]string{"stat", "--json"}, []string{`kvhost: unknown command "stat" (did you mean "stats"?)`, "\ncommands: ", "stats", "kvhost --help"}},
+		{[]string{"relaod"}, []string{`kvhost: unknown command "relaod" (did you mean "reload"?)`}},
+		{[]string{"frobnicate"}, []string{`kvhost: unknown command "frobnicate"` + "\n"}},
+		{[]string{"help", "stat"}, []string{`kvhost help: unknown command "stat" (did you mean "stats"?)`}},
 	}
-	for _, want := range []string{`kvhost: unknown command "stat"`, "\ncommands:\n", "  stats "} {
-		if !strings.Contains(errb.String(), want) {
-			t.Errorf("kvhost stat: stderr lacks %q:\n%s", want, errb.String())
+	for _, tt := range tests {
+		var out, errb bytes.Buffer
+		if code := run(t.Context(), tt.args, &out, &errb); code != 2 {
+			t.Fatalf("kvhost %q: exit %d, want 2; stderr:\n%s", tt.args, code, errb.String())
+		}
+		for _, want := range tt.wants {
+			if !strings.Contains(errb.String(), want) {
+				t.Errorf("kvhost %q: stderr lacks %q:\n%s", tt.args, want, errb.String())
+			}
+		}
+		if n := strings.Count(errb.String(), "\n"); n > 4 {
+			t.Errorf("kvhost %q: %d lines for an unknown command, want at most 4:\n%s", tt.args, n, errb.String())
 		}
 	}
 }

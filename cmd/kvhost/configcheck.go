@@ -19,8 +19,8 @@ const configUsage = `usage: kvhost config check FILE...
 check: checks configuration files as the daemon reads them (TOML syntax,
 unknown keys, types, sizes, durations, rules across fields, the name of a
 built-in policy and the [policy.params] it refuses at start, mounts that
-overlap, a plugin .wasm file as the daemon loads it; one that does not
-exist here is not checked, kvhost check loads it on the node) and prints "FILE: ok" or the
+overlap, a plugin .wasm file as the daemon loads it, and refused where it
+does not exist here) and prints "FILE: ok" or the
 error with its line and key. Exit 0: every file is ok; 1: one is not;
 2: usage. Apart from --help it has no flags: any other argument that
 begins with '-' is a usage error, so a FILE named so is given as
@@ -41,15 +41,16 @@ docs/config.md describes every key.`
 // daemon's start builds it (kvdaemon.StartPolicy: a policy.name that is not built
 // in, a plugin file that is not a WebAssembly module, a [policy.params]
 // key its kvhost_init refuses). A plugin file that does not exist here is
-// not checked: it may exist only on the node, where `kvhost check` loads
-// it.
+// refused too, as the daemon's start refuses it, with a hint that the
+// file may be meant for another node (check there).
 func checkAtStart(ctx context.Context, file string, cfg config.Config) error {
 	if o := overlappingMounts(cfg.Mounts); len(o) > 0 {
 		return config.AtKey(file, "mount.path", o[0].second, o[0].err)
 	}
 	if kvdaemon.IsPluginFile(cfg.Policy.Name) {
 		if _, _, _, err := kvdaemon.Module(cfg.Policy.Name); errors.Is(err, os.ErrNotExist) {
-			return nil
+			return config.AtKey(file, "policy.name", 0, fmt.Errorf("plugin %s: no such file here: the daemon would not start with it "+
+				"(if it exists only on the node that runs the daemon, check there): %w", cfg.Policy.Name, err))
 		}
 	}
 	if _, _, err := kvdaemon.StartPolicy(ctx, cfg); err != nil {

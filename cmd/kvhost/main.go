@@ -70,8 +70,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 				if c, ok := cmds[args[1]]; ok {
 					return c.run(ctx, []string{"--help"}, stdout, stderr)
 				}
-				fmt.Fprintf(stderr, "kvhost help: unknown command %q\n\n", args[1])
-				usage(stderr, cmds)
+				unknownCommand(stderr, "kvhost help", args[1], cmds)
 				return 2
 			}
 			if len(args) > 2 {
@@ -94,8 +93,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if !strings.HasPrefix(args[0], "-") {
 			// serve, the default command, takes flags only: a first
 			// word that is no command is a mistyped one.
-			fmt.Fprintf(stderr, "kvhost: unknown command %q\n\n", args[0])
-			usage(stderr, cmds)
+			unknownCommand(stderr, "kvhost", args[0], cmds)
 			return 2
 		}
 	}
@@ -104,6 +102,55 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	usage(stderr, cmds)
 	return 2
+}
+
+// unknownCommand says that name is no command of cmds in a few lines,
+// not the whole usage: the command likely meant (one that name begins
+// or that begins name, or one edit or two away), the commands, and where
+// the usage is.
+func unknownCommand(w io.Writer, prefix, name string, cmds map[string]command) {
+	names := make([]string, 0, len(cmds))
+	for n := range cmds {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	fmt.Fprintf(w, "%s: unknown command %q", prefix, name)
+	best, bestDist := "", 3
+	for _, n := range names {
+		d := editDistance(name, n)
+		if strings.HasPrefix(n, name) || strings.HasPrefix(name, n) {
+			d = min(d, 1)
+		}
+		if d < bestDist {
+			best, bestDist = n, d
+		}
+	}
+	if best != "" {
+		fmt.Fprintf(w, " (did you mean %q?)", best)
+	}
+	fmt.Fprintf(w, "\ncommands: %s\nkvhost --help lists them with the daemon's flags; kvhost COMMAND --help describes one.\n",
+		strings.Join(names, ", "))
+}
+
+// editDistance is the Levenshtein distance between a and b (bytes).
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
 }
 
 // usage prints the commands and the daemon's flags (serve is the default

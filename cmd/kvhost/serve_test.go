@@ -25,8 +25,9 @@ func TestExampleConfig(t *testing.T) {
 }
 
 // TestConfigCheckRefusesAPolicyFileThatIsNotWasm: config check printed
-// "ok" for a policy file the daemon's start refuses; one that does not
-// exist here (it may exist only on the node) is not checked.
+// "ok" for a policy file the daemon's start refuses: one that is not a
+// WebAssembly module, and one that does not exist here (named at its
+// line, with the hint to check on the node where it may exist).
 func TestConfigCheckRefusesAPolicyFileThatIsNotWasm(t *testing.T) {
 	dir := t.TempDir()
 	notwasm := filepath.Join(dir, "notwasm.wasm")
@@ -37,7 +38,7 @@ func TestConfigCheckRefusesAPolicyFileThatIsNotWasm(t *testing.T) {
 		want   string
 	}{
 		{notwasm, 1, "policy.name: policy " + notwasm + ": not a WebAssembly module"},
-		{filepath.Join(dir, "elsewhere", "vendor.wasm"), 0, ": ok"},
+		{filepath.Join(dir, "elsewhere", "vendor.wasm"), 1, ":2: policy.name: plugin " + filepath.Join(dir, "elsewhere", "vendor.wasm") + ": no such file here"},
 	}
 	for i, tt := range tests {
 		file := filepath.Join(dir, fmt.Sprintf("c%d.toml", i))
