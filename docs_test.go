@@ -80,3 +80,54 @@ func TestREADMEIsAFrontDoor(t *testing.T) {
 		t.Errorf("README.md's Set up commands are %q, want exactly %q", commands, want)
 	}
 }
+
+// benchLimit is the most files docs/bench may hold.
+const benchLimit = 60
+
+// TestBenchHoldsAtMost60FilesEachCited: docs/bench holds at most 60
+// files, and each is cited by README.md, a docs/*.md page or a
+// docs/bench/summary-*.toml manifest, by its name or by its call's stem
+// (a call's .txt and .json share one: "h200-ttft-C-tmpfs.txt" cites
+// "h200-ttft-C-tmpfs.json"). The directory grew from 60 to 82 files in a
+// turn; the rule for adding is: a new call's raw output goes in as one
+// .txt (and the reports a manifest reads); past the limit, fold an older
+// call's reports into one file keyed by their names, or drop a superseded
+// call from the manifests and docs. A file nothing cites is removed.
+func TestBenchHoldsAtMost60FilesEachCited(t *testing.T) {
+	files, err := os.ReadDir(filepath.Join("docs", "bench"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(files) > benchLimit {
+		t.Errorf("docs/bench holds %d files, more than %d: fold an older call's reports into one file, or drop a superseded call", len(files), benchLimit)
+	}
+	citers, err := filepath.Glob(filepath.Join("docs", "*.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	manifests, err := filepath.Glob(filepath.Join("docs", "bench", "summary-*.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(manifests) == 0 {
+		t.Fatal("docs/bench has no summary-*.toml manifest")
+	}
+	citers = append(append(citers, "README.md"), manifests...)
+	var text strings.Builder
+	for _, name := range citers {
+		b, err := os.ReadFile(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		text.Write(b)
+		text.WriteByte('\n')
+	}
+	all := text.String()
+	for _, f := range files {
+		name := f.Name()
+		stem := strings.TrimSuffix(name, filepath.Ext(name))
+		if !strings.Contains(all, name) && !strings.Contains(all, stem+".") {
+			t.Errorf("docs/bench/%s is cited by no doc or manifest: cite it or remove it", name)
+		}
+	}
+}
