@@ -1,6 +1,9 @@
 package kvhost_test
 
 import (
+	"go/scanner"
+	"go/token"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -128,6 +131,117 @@ func TestBenchHoldsAtMost60FilesEachCited(t *testing.T) {
 		stem := strings.TrimSuffix(name, filepath.Ext(name))
 		if !strings.Contains(all, name) && !strings.Contains(all, stem+".") {
 			t.Errorf("docs/bench/%s is cited by no doc or manifest: cite it or remove it", name)
+		}
+	}
+}
+
+// reCode is a markdown code span's text.
+var reCode = regexp.MustCompile("`([^`\n]+)`")
+
+// reGoName is a code span that reads as a Go name: Name, name(),
+// pkg.Name, Type.Method(), each part an identifier.
+var reGoName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$`)
+
+// reFileExt is a code span's last part that names a file's kind, not an
+// identifier (removalfeed.go, config.json).
+var reFileExt = regexp.MustCompile(`\.(?:go|md|json|toml|txt|wasm|py|c|h|so|sh)$`)
+
+// goIdentifiers is every identifier token of the repository's Go files
+// (comments and strings are not tokens).
+func goIdentifiers(t *testing.T) map[string]bool {
+	t.Helper()
+	ids := map[string]bool{}
+	err := filepath.WalkDir(".", func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			if path != "." && strings.HasPrefix(d.Name(), ".") {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if !strings.HasSuffix(path, ".go") {
+			return nil
+		}
+		src, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		var s scanner.Scanner
+		fset := token.NewFileSet()
+		s.Init(fset.AddFile(path, -1, len(src)), src, nil, 0)
+		for {
+			_, tok, lit := s.Scan()
+			if tok == token.EOF {
+				break
+			}
+			if tok == token.IDENT {
+				ids[lit] = true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+// checkedGoName reports whether a code span is checked as a Go name, and
+// its parts: a name with an upper-case letter (Engine, openMount,
+// ErrCorrupt) or a dotted one (index.UnpinLoad, checks.sum), optionally
+// called (name()). Single lower-case words (rebuild, but also health,
+// acdirmax), names with an underscore (config keys: restart_hold), names
+// all in capitals (RESTORE records, ENOSPC) and file names are not: they
+// may as well be words of another language.
+func checkedGoName(span string) ([]string, bool) {
+	name := strings.TrimSuffix(strings.TrimSpace(span), "()")
+	if !reGoName.MatchString(name) || reFileExt.MatchString(name) || strings.Contains(name, "_") {
+		return nil, false
+	}
+	if strings.ToUpper(name) == name {
+		return nil, false
+	}
+	if !strings.Contains(name, ".") && strings.ToLower(name) == name {
+		return nil, false
+	}
+	return strings.Split(name, "."), true
+}
+
+// TestEngineDocNamesExistInTheCode: every Go name docs/engine.md writes in
+// backquotes (Engine, openMount(), index.UnpinLoad, Stats.LayerLoadsByKey)
+// is an identifier of the repository's Go code, each of its dotted
+// parts, as the page promises ("every function named here exists under
+// that name"). A rename in the code that leaves the page behind fails
+// here; the page had named errDestinationChanged and holdFound long after
+// they were gone.
+func TestEngineDocNamesExistInTheCode(t *testing.T) {
+	ids := goIdentifiers(t)
+	for _, doc := range []string{filepath.Join("docs", "engine.md")} {
+		b, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		text := reFence.ReplaceAllStringFunc(string(b), func(s string) string {
+			return strings.Repeat("\n", strings.Count(s, "\n")) // keep line numbers
+		})
+		checked := 0
+		for _, m := range reCode.FindAllStringSubmatchIndex(text, -1) {
+			parts, ok := checkedGoName(text[m[2]:m[3]])
+			if !ok {
+				continue
+			}
+			checked++
+			for _, p := range parts {
+				if !ids[p] {
+					line := strings.Count(text[:m[0]], "\n") + 1
+					t.Errorf("%s:%d: `%s`: %s is no identifier of the Go code", doc, line, text[m[2]:m[3]], p)
+				}
+			}
+		}
+		if checked == 0 {
+			t.Errorf("%s: no Go name checked: the code spans are no longer found", doc)
 		}
 	}
 }
