@@ -54,14 +54,16 @@ func (l *logLines) count(words ...string) int {
 }
 
 // TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal (issue
-// 94, items 1 and 2): a fresh summary of node X, which holds no lock
-// (no node runs under its name), states untagged bytes of 2^62 or of the
-// whole bound, or a cluster capacity of 4096 bytes (less than one file).
+// 94, items 1 and 2): a fresh summary of node X, which holds no lock and
+// has no lock file (no node runs under its name), states untagged bytes
+// of 2^62 or of the whole bound, a cluster capacity of 4096 bytes (less
+// than one file), or a claim of the whole bound.
 // Node A, bound 8 files, stores 12 keys beside it: every store succeeds
 // (evicting A's own oldest) within A's configured bound, and a warning
 // names X's summary file and the field refused. On the code before,
-// the untagged bytes counted against the bound and the capacity became
-// A's bound, so A evicted its files and failed its stores.
+// the untagged bytes and the claim counted against the bound and the
+// capacity became A's bound, so A evicted its files and failed its
+// stores.
 func TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal(t *testing.T) {
 	file := oneFileBytes(t)
 	capacity := 8 * file
@@ -73,6 +75,7 @@ func TestClusterAForgedSummaryFieldChangesNothingButALoudRefusal(t *testing.T) {
 		{"untagged 2^62", "untagged", func(s *clustercap.Summary) { s.Untagged = clustercap.MaxBytes }},
 		{"untagged the bound", "untagged", func(s *clustercap.Summary) { s.Untagged = capacity }},
 		{"capacity 4096", "capacity", func(s *clustercap.Summary) { s.Capacity = 4096 }},
+		{"a claim of the whole bound", "claim", func(s *clustercap.Summary) { s.Bytes, s.Claim = capacity, capacity }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
@@ -125,5 +128,34 @@ func TestClusterRefusesABoundBelowOneFilePerNodeFromARunningNode(t *testing.T) {
 	}
 	if n := lines.count("refused", clustercap.DirName+"/b.summary", "field=capacity"); n != 1 {
 		t.Errorf("%d warnings refuse B's capacity naming its summary file, want one", n)
+	}
+}
+
+// TestClusterAForgedCutOffEvictsNothing (issue 94, item 1): a summary of
+// node X, which holds no lock and has no lock file, publishes a cut-off
+// rank of now, fresh and changing, as a node that found the cluster over
+// its bound would. Node A, holding 4 files far below its bound, follows
+// no such cut: its files stay, and a warning names X's summary file. On
+// the code before, A evicted every file ranked below the cut: all of
+// them.
+func TestClusterAForgedCutOffEvictsNothing(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	log, lines := lineLogger(t)
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "a", Logger: log})
+	storeKeys(t, a, "a", 4, rand.New(rand.NewPCG(94, 8)))
+	m := a.e.mounts[0]
+	var path string
+	for seq := range 3 { // a cut is followed once A has seen the summary change
+		now := time.Now().UnixNano()
+		path = forgeSummary(t, dir, &clustercap.Summary{Version: clustercap.SummaryVersion, Node: "x", Tag: clustercap.Tag("x"), Seq: uint64(seq + 1),
+			Time: now, Interval: int64(time.Hour), Cut: uint64(now), CutTime: now})
+		m.cluster.Tick(ctx)
+	}
+	if got := len(kvFiles(t, dir)); got != 4 {
+		t.Errorf("A holds %d of its 4 files after X's forged cut-off, want all", got)
+	}
+	if n := lines.count("refused", path, "field=cut"); n != 1 {
+		t.Errorf("%d warnings name %s and refuse its cut, want one", n, path)
 	}
 }

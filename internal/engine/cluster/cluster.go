@@ -139,12 +139,23 @@ type clusterAgree struct {
 	// held holds, per peer whose lock was probed for a field that counts
 	// only from a running node (heldLocked), what the probe found.
 	held map[string]heldProbe
-	// refused holds the fields of peers' summaries refused (checkFields),
-	// by node and field: logged once while they stay so.
-	refused map[string]bool
+	// refused holds the fields of peers' summaries refused (refuse), by
+	// node and field: logged once while they stay so; refusing is the
+	// current read's.
+	refused, refusing map[string]bool
+	// lockFiles holds, per peer whose lock file was looked for
+	// (checkClaims), the summary's Seq then and whether the file was
+	// missing.
+	lockFiles map[string]lockFile
 	// largest is the largest file this node counted or reserved on the
 	// mount: the bound's floor is one such file per live node.
 	largest int64
+}
+
+// lockFile is whether a peer's lock file was missing at its summary seq.
+type lockFile struct {
+	seq     uint64
+	missing bool
 }
 
 // heldProbe is what a probe of a peer's lock found (heldLocked).
@@ -632,6 +643,7 @@ func (c *Mount) read(ctx context.Context) error {
 // node reports (named in a warning while there are any). Called with c.mu
 // held.
 func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summary {
+	c.refusing = map[string]bool{}
 	c.checkFields(now)
 	first, _ := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
 	untenable := map[string]uint64{}
@@ -660,6 +672,8 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 		kept = append(kept, p)
 	}
 	c.peers = kept
+	c.checkClaims()
+	c.refused = c.refusing
 	bound, from := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
 	var counted []*clustercap.Summary
 	for _, s := range dead {
@@ -764,8 +778,9 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 
 // checkFields checks the fields of the live peers' summaries (c.peers)
 // that only a running node may state and that would stop every node's
-// stores if false: a capacity below this node's configured one (it
-// lowers the bound) and untagged bytes (they count against it). Each
+// stores, or evict every node's files, if false: a capacity below this
+// node's configured one (it lowers the bound), untagged bytes (they
+// count against it) and a cut-off (every node evicts below it). Each
 // counts only from a node whose lock is held (heldLocked: anyone may
 // write a summary, but only a running node holds its lock), and a
 // capacity only at or above the bound's floor: a sixteenth of this
@@ -775,37 +790,74 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 // it stays so. Called with c.mu held.
 func (c *Mount) checkFields(now int64) {
 	floor := max(c.configured.Capacity/boundFloorFraction, int64(len(c.peers)+1)*c.largest)
-	refused := map[string]bool{}
-	refuse := func(p *clustercap.Summary, field string, v int64, why string) {
-		key := p.Node + "\x00" + field
-		refused[key] = true
-		if !c.refused[key] {
-			c.Log.Warn("engine: cluster: a summary states what this node cannot take as true: refused, the field not counted (a forged or corrupt summary, or a node configured far below the others); remove the file if no such node runs",
-				"mount", c.Root, "summary", c.dir.SummaryPath(p.Node), "field", field, "value", v, "why", why)
-		}
-	}
 	for i, p := range c.peers {
 		lowers := p.Capacity > 0 && p.Capacity < c.configured.Capacity
-		if !lowers && p.Untagged == 0 {
+		if !lowers && p.Untagged == 0 && p.Cut == 0 {
 			continue
 		}
 		g := *p
 		held := c.heldLocked(p, now)
 		switch {
 		case lowers && !held:
-			refuse(p, "capacity", p.Capacity, "its node holds no lock, so runs nowhere: a capacity from it never lowers the bound")
+			c.refuse(p, "capacity", p.Capacity, "its node holds no lock, so runs nowhere: a capacity from it never lowers the bound")
 			g.Capacity = 0
 		case lowers && p.Capacity < floor:
-			refuse(p, "capacity", p.Capacity, fmt.Sprintf("below the floor of a bound, %d bytes: a sixteenth of this node's configured %d, and one file of %d bytes per live node", floor, c.configured.Capacity, c.largest))
+			c.refuse(p, "capacity", p.Capacity, fmt.Sprintf("below the floor of a bound, %d bytes: a sixteenth of this node's configured %d, and one file of %d bytes per live node", floor, c.configured.Capacity, c.largest))
 			g.Capacity = 0
 		}
 		if p.Untagged > 0 && !held {
-			refuse(p, "untagged", p.Untagged, "its node holds no lock, so runs nowhere: untagged bytes count only as seen by this node or a running one")
+			c.refuse(p, "untagged", p.Untagged, "its node holds no lock, so runs nowhere: untagged bytes count only as seen by this node or a running one")
 			g.Untagged = 0
+		}
+		if p.Cut > 0 && !held {
+			c.refuse(p, "cut", int64(min(p.Cut, uint64(clustercap.MaxBytes))), "its node holds no lock, so runs nowhere: its cut-off evicts nothing here")
+			g.Cut, g.CutTime = 0, 0
 		}
 		c.peers[i] = &g
 	}
-	c.refused = refused
+}
+
+// checkClaims checks the claims of the live peers' summaries (c.peers,
+// after the claims that cannot hold were left out): a summary whose
+// node has no lock file on the mount (a running node locks its file
+// again at its next interval; a stray or forged summary has none)
+// counts no bytes, claim or sketch of its own, only the files of its
+// tag this node finds (clustercap.AtLeast), with one warning naming the
+// file. The lock file is looked for once per summary Seq. Called with
+// c.mu held.
+func (c *Mount) checkClaims() {
+	if c.lockFiles == nil {
+		c.lockFiles = map[string]lockFile{}
+	}
+	for i, p := range c.peers {
+		if p.Claim == 0 {
+			continue
+		}
+		lf, ok := c.lockFiles[p.Node]
+		if !ok || lf.seq != p.Seq {
+			lf = lockFile{seq: p.Seq, missing: c.dir.LockMissing(p.Node)}
+			c.lockFiles[p.Node] = lf
+		}
+		if !lf.missing {
+			continue
+		}
+		c.refuse(p, "claim", p.Claim, "its node has no lock file on the mount, so runs nowhere: its claim and bytes count nothing but the files of its tag this node finds")
+		g := *p
+		g.Bytes, g.Claim, g.Sketch, g.Cut, g.CutTime, g.Touches = 0, 0, clustercap.Sketch{}, 0, 0, nil
+		c.peers[i] = &g
+	}
+}
+
+// refuse records field of p's summary, of value v, as refused for why
+// (checkFields, checkClaims): logged, naming the summary file, once
+// while it stays so. Called with c.mu held.
+func (c *Mount) refuse(p *clustercap.Summary, field string, v int64, why string) {
+	key := p.Node + "\x00" + field
+	c.refusing[key] = true
+	if !c.refused[key] {
+		c.Log.Warn("engine: cluster: a summary states what this node cannot take as true: refused, the field not counted (a forged or corrupt summary, or a node configured far below the others); remove the file if no such node runs",
+			"mount", c.Root, "summary", c.dir.SummaryPath(p.Node), "field", field, "value", v, "why", why)
+	}
 }
 
 // heldLocked reports whether p's node holds its lock: a probe found it
@@ -844,6 +896,7 @@ func (c *Mount) forgetGone(read map[string]bool) {
 	maps.DeleteFunc(c.shared, func(node string, _ bool) bool { return gone(node) })
 	maps.DeleteFunc(c.probes, func(node string, _ *lockProbe) bool { return gone(node) })
 	maps.DeleteFunc(c.held, func(node string, _ heldProbe) bool { return gone(node) })
+	maps.DeleteFunc(c.lockFiles, func(node string, _ lockFile) bool { return gone(node) })
 }
 
 // probeLocks probes, once a tick, the locks of running nodes (fresh:
