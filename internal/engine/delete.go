@@ -39,7 +39,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			byEntry[en]++
 		}
 	}
-	removed := 0
+	removed := e.objectsOnly(n, seen) // counted, and removed below
 	for _, en := range order {
 		if err := ctx.Err(); err != nil {
 			return removed, err
@@ -50,6 +50,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			removed += byEntry[en]
 		}
 	}
+	e.deleteObjects(n, seen)
 	if removed > 0 {
 		e.maker.room() // room for spares made ahead
 	}

@@ -38,6 +38,9 @@ type Objects interface {
 	// Bad tells the store that its object of key failed the load's
 	// checks (err says how): it forgets, and may remove, the object.
 	Bad(fp uint64, key []byte, err error)
+	// Delete forgets key's object at once and removes it from the store
+	// (a client deleted the key). It must not block on the store.
+	Delete(fp uint64, key []byte)
 	// Mover moves the plans of the files Open returns into host memory,
 	// computing their checksums.
 	Mover() transfer.Mover
@@ -57,6 +60,29 @@ func (e *Engine) hasObject(ns *namespace, key []byte) bool {
 func (e *Engine) publishedObject(h *format.Header, path string) {
 	if e.cfg.Objects != nil && len(h.Keys) == 1 && !h.Raw {
 		e.cfg.Objects.Published(h.Fingerprint, h.Keys[0].Key, path)
+	}
+}
+
+// objectsOnly returns how many of keys (a set) of ns the object mount
+// holds and no file does (Delete counts them as removed).
+func (e *Engine) objectsOnly(ns *namespace, keys map[string]bool) int {
+	n := 0
+	for k := range keys {
+		if e.find(ns, []byte(k)) == nil && e.hasObject(ns, []byte(k)) {
+			n++
+		}
+	}
+	return n
+}
+
+// deleteObjects removes from the object mount the objects of keys (a
+// set) of ns that no file holds after a Delete: a key a client pin kept
+// keeps its object too.
+func (e *Engine) deleteObjects(ns *namespace, keys map[string]bool) {
+	for k := range keys {
+		if e.find(ns, []byte(k)) == nil && e.hasObject(ns, []byte(k)) {
+			e.cfg.Objects.Delete(ns.fp, []byte(k))
+		}
 	}
 }
 

@@ -58,6 +58,12 @@ func (o *memObjects) Bad(fp uint64, key []byte, _ error) {
 
 func (o *memObjects) Mover() transfer.Mover { return o.mv }
 
+func (o *memObjects) Delete(fp uint64, key []byte) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	delete(o.objs, objName(fp, key))
+}
+
 // newMemObjects returns an empty memObjects, its mover closed when t ends.
 func newMemObjects(t *testing.T) *memObjects {
 	mv, err := staging.NewMover(staging.Config{Workers: 2})
@@ -109,27 +115,48 @@ func (f *memObject) ReadvAt(bufs [][]byte, off int64) (int, error) {
 
 func (f *memObject) Close() error { return nil }
 
+// objectNode is an engine of a pair sharing one memObjects.
+type objectNode struct {
+	e  *Engine
+	ns NamespaceID
+	c  *testCache
+}
+
+// objectPair opens two engines on directories of their own with one
+// memObjects, stores n keys of prefix on the first and returns the keys
+// and the bytes of each.
+func objectPair(t *testing.T, prefix string, n int) (*memObjects, objectNode, objectNode, [][]byte, [][]byte) {
+	t.Helper()
+	objs := newMemObjects(t)
+	var nodes [2]objectNode
+	for i := range nodes {
+		e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs})
+		ns, c := declareSmall(t, e, 64)
+		nodes[i] = objectNode{e, ns, c}
+	}
+	a := nodes[0]
+	r := rand.New(rand.NewPCG(uint64(n), 2))
+	keys := testKeys(prefix, n)
+	src := blockLists(r, n, 4, 0)
+	for _, bl := range src {
+		a.c.fill(r, bl)
+	}
+	storeAndCheck(t, a.e, a.c, keys, src)
+	want := make([][]byte, n)
+	for i := range keys {
+		want[i] = a.c.data(src[i])
+	}
+	return objs, nodes[0], nodes[1], keys, want
+}
+
 // TestObjectMountServesKeysAnotherEngineStored: a key one engine stored
 // (and told its object mount of) is a hit and loads, byte for byte, on an
 // engine that shares no directory with it; a corrupted object fails its
 // load and is reported bad, and a key in neither is a miss.
 func TestObjectMountServesKeysAnotherEngineStored(t *testing.T) {
-	objs := newMemObjects(t)
-	a := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs})
-	b := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs})
-	_, ca := declareSmall(t, a, 64)
-	nsB, cb := declareSmall(t, b, 64)
+	objs, _, nb, keys, want := objectPair(t, "obj", 3)
+	b, nsB, cb := nb.e, nb.ns, nb.c
 	r := rand.New(rand.NewPCG(1, 2))
-	keys := testKeys("obj", 3)
-	src := blockLists(r, 3, 4, 0)
-	for _, bl := range src {
-		ca.fill(r, bl)
-	}
-	storeAndCheck(t, a, ca, keys, src)
-	want := make([][]byte, len(keys))
-	for i := range keys {
-		want[i] = ca.data(src[i])
-	}
 	if n, err := b.Lookup(context.Background(), nsB, keys); err != nil || n != len(keys) {
 		t.Fatalf("lookup on the other engine: %d of %d, %v", n, len(keys), err)
 	}
@@ -179,5 +206,28 @@ func TestObjectLoadRefusesAnObjectOfAnotherKey(t *testing.T) {
 	}
 	if !bytes.Equal(c.data(into[0]), make([]byte, len(c.data(into[0])))) {
 		t.Fatal("bytes of another key's object reached the blocks")
+	}
+}
+
+// TestDeleteRemovesTheKeysObject: a deleted key is gone from the object
+// mount too, counted once, whether a file held it or the bucket only,
+// and is a miss everywhere after.
+func TestDeleteRemovesTheKeysObject(t *testing.T) {
+	objs, na, nb, keys, _ := objectPair(t, "del", 2)
+	a, nsA, ca, b, nsB := na.e, na.ns, na.c, nb.e, nb.ns
+	// Key 0 on a, which holds its file; key 1 on b, which has none.
+	if n, err := a.Delete(context.Background(), nsA, keys[:1]); err != nil || n != 1 {
+		t.Fatalf("delete of a key with a file: %d, %v; want 1", n, err)
+	}
+	if n, err := b.Delete(context.Background(), nsB, keys[1:]); err != nil || n != 1 {
+		t.Fatalf("delete of a key only the bucket holds: %d, %v; want 1", n, err)
+	}
+	for i, k := range keys {
+		if objs.Has(ca.geo.Fingerprint(), k) {
+			t.Errorf("key %d's object outlived its delete", i)
+		}
+	}
+	if n, _ := b.Lookup(context.Background(), nsB, keys[:1]); n != 0 {
+		t.Fatal("a deleted key is still a hit on another engine")
 	}
 }

@@ -147,6 +147,7 @@ type Stats struct {
 	GetBytes  uint64 // bytes those read
 	GetErrors uint64 // GETs that failed
 	Removed   uint64 // objects removed as bad
+	Deleted   uint64 // objects removed as their keys were deleted
 	Listings  uint64 // listings of the bucket
 }
 
@@ -174,7 +175,7 @@ type Store struct {
 
 	uploaded, skipped, failed, dropped atomic.Uint64
 	gets, getBytes, getErrors          atomic.Uint64
-	removed, listings                  atomic.Uint64
+	removed, deleted, listings         atomic.Uint64
 }
 
 // upload is a published file to copy.
@@ -247,7 +248,7 @@ func (s *Store) Stats() Stats {
 	s.mu.RUnlock()
 	return Stats{
 		Objects: n, Uploaded: s.uploaded.Load(), Skipped: s.skipped.Load(), Failed: s.failed.Load(), Dropped: s.dropped.Load(),
-		Gets: s.gets.Load(), GetBytes: s.getBytes.Load(), GetErrors: s.getErrors.Load(), Removed: s.removed.Load(), Listings: s.listings.Load(),
+		Gets: s.gets.Load(), GetBytes: s.getBytes.Load(), GetErrors: s.getErrors.Load(), Removed: s.removed.Load(), Deleted: s.deleted.Load(), Listings: s.listings.Load(),
 	}
 }
 
@@ -296,11 +297,22 @@ func (s *Store) forget(name string) {
 // copies a good one.
 func (s *Store) Bad(fp uint64, key []byte, err error) {
 	name := s.Name(fp, key)
+	s.cfg.Logger.Warn("objstore: bad object removed", "object", name, "err", err)
+	s.remove(name, &s.removed)
+}
+
+// Delete forgets key's object, which a client deleted, and removes it
+// from the bucket in the background.
+func (s *Store) Delete(fp uint64, key []byte) { s.remove(s.Name(fp, key), &s.deleted) }
+
+// remove forgets name at once and removes its object in the background,
+// counting the removal in done. The name stays out of the presence set
+// while the removal runs and through the listing under way then.
+func (s *Store) remove(name string, done *atomic.Uint64) {
 	s.forget(name)
 	s.mu.Lock()
 	s.deleting[name] = struct{}{}
 	s.mu.Unlock()
-	s.cfg.Logger.Warn("objstore: bad object removed", "object", name, "err", err)
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -315,10 +327,10 @@ func (s *Store) Bad(fp uint64, key []byte, err error) {
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
 		defer cancel()
 		if _, err := s.client.DeleteObject(ctx, &s3.DeleteObjectInput{Bucket: &s.cfg.Bucket, Key: &name}); err != nil {
-			s.cfg.Logger.Warn("objstore: removing a bad object", "object", name, "err", err)
+			s.cfg.Logger.Warn("objstore: removing an object", "object", name, "err", err)
 			return
 		}
-		s.removed.Add(1)
+		done.Add(1)
 	}()
 }
 

@@ -323,3 +323,28 @@ func TestWrongCredentialsFailOpenNamingThem(t *testing.T) {
 		t.Fatalf("open with a wrong secret key took %v, past three request timeouts", d)
 	}
 }
+
+// TestDeletedKeyIsRemovedFromTheBucket: a key a client deletes on a node
+// that holds it only in the bucket is removed from the bucket, and is a
+// miss on a node that opens after.
+func TestDeletedKeyIsRemovedFromTheBucket(t *testing.T) {
+	cfg := rgwConfig(t)
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	keys, _ := storeKeys(t, a, "deleted", 2)
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	if n, err := b.eng.Delete(context.Background(), b.ns, keys[:1]); err != nil || n != 1 {
+		t.Fatalf("delete of a key the bucket holds: %d, %v; want 1", n, err)
+	}
+	testwait.Until(t, "the object's removal", 30*time.Second, func() bool { return b.store.Stats().Deleted == 1 })
+	name := b.store.Name(b.geo.Fingerprint(), keys[0])
+	if _, err := objstore.RawClient(b.store).Get(context.Background(), name); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the deleted key's object: %v, want it gone", err)
+	}
+	c := openNode(t, filepath.Join(t.TempDir(), "c"), cfg)
+	if n, _ := c.eng.Lookup(context.Background(), c.ns, keys); n != 0 {
+		t.Fatalf("a node opened after the delete finds %d leading keys, want 0", n)
+	}
+	if n, _ := c.eng.Lookup(context.Background(), c.ns, keys[1:]); n != 1 {
+		t.Fatal("the key not deleted is no hit")
+	}
+}
