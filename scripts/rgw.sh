@@ -9,6 +9,8 @@
 #   scripts/rgw.sh down DIR      stop every daemon, remove DIR
 #   scripts/rgw.sh kill-rgw DIR  SIGKILL the radosgw (fault tests)
 #   scripts/rgw.sh start-rgw DIR start the radosgw again
+#   scripts/rgw.sh bucket-quota DIR BUCKET BYTES
+#                                cap BUCKET at BYTES (a full bucket)
 #   scripts/rgw.sh pause-rgw DIR, resume-rgw DIR
 #                                SIGSTOP, SIGCONT the radosgw: an endpoint
 #                                that accepts connections and never answers
@@ -47,7 +49,7 @@ die() {
 }
 
 usage() {
-	echo "usage: $0 up DIR | down DIR | kill-rgw DIR | start-rgw DIR | pause-rgw DIR | resume-rgw DIR | install | run [--skip-uninstallable] [--dir DIR] CMD..." >&2
+	echo "usage: $0 up DIR | down DIR | kill-rgw DIR | start-rgw DIR | pause-rgw DIR | resume-rgw DIR | bucket-quota DIR BUCKET BYTES | install | run [--skip-uninstallable] [--dir DIR] CMD..." >&2
 	exit 2
 }
 
@@ -76,6 +78,9 @@ rgw_thread_pool_size = 64
 # killed radosgw's watch would stall the next one's bucket changes until
 # the OSD timed it out (30 s), and the fault tests kill it.
 rgw_cache_enabled = false
+# Quotas checked against the bucket's stats as they are, not as a cache
+# held them for 10 minutes: the full-bucket test fills a fresh bucket.
+rgw_bucket_quota_ttl = 0
 rgw_init_timeout = $TIMEOUT
 client_mount_timeout = $TIMEOUT
 # Without authentication the monitor's connections cannot be "secure",
@@ -188,6 +193,11 @@ down)
 	exit "$rc"
 	;;
 kill-rgw) kill_rgw KILL ;;
+bucket-quota)
+	[ $# -eq 4 ] || usage
+	radosgw-admin --conf "$DIR/ceph.conf" -n client.rgw.a quota set --quota-scope=bucket --bucket="$3" --max-size="$4" >/dev/null &&
+		radosgw-admin --conf "$DIR/ceph.conf" -n client.rgw.a quota enable --quota-scope=bucket --bucket="$3" >/dev/null
+	;;
 pause-rgw | resume-rgw)
 	[ -s "$DIR/run/client.rgw.a.pid" ] || die "no radosgw runs under $DIR"
 	kill "-$([ "$cmd" = pause-rgw ] && echo STOP || echo CONT)" "$(cat "$DIR/run/client.rgw.a.pid")"

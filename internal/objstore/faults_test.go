@@ -13,15 +13,15 @@ import (
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
-// rgwCtl runs scripts/rgw.sh CMD on the test's RGW (KVHOST_RGW_DIR, which
+// rgwCtl runs scripts/rgw.sh CMD with args on the test's RGW (KVHOST_RGW_DIR, which
 // scripts/rgw.sh run sets), or skips without one.
-func rgwCtl(t testing.TB, cmd string) {
+func rgwCtl(t testing.TB, cmd string, args ...string) {
 	t.Helper()
 	dir := os.Getenv("KVHOST_RGW_DIR")
 	if dir == "" {
 		t.Skip("KVHOST_RGW_DIR is not set: the fault tests run under scripts/rgw.sh run (make test-objects)")
 	}
-	out, err := exec.Command(filepath.Join("..", "..", "scripts", "rgw.sh"), cmd, dir).CombinedOutput()
+	out, err := exec.Command(filepath.Join("..", "..", "scripts", "rgw.sh"), append([]string{cmd, dir}, args...)...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("rgw.sh %s: %v\n%s", cmd, err, out)
 	}
@@ -163,4 +163,40 @@ func TestRGWKilledMidPutPublishesNoHalfObject(t *testing.T) {
 		t.Fatalf("after the kill: %d loaded, %d failed, %d missing; want none failed and some loaded", loaded, failed, missing)
 	}
 	t.Logf("killed mid-PUT: uploads %d done, %d failed; another node loads %d, misses %d", st.Uploaded, st.Failed, loaded, missing)
+}
+
+// TestFullBucketFailsUploadsAndKeepsWhatItHas: a bucket whose quota holds
+// one object of the three stored refuses the others' uploads (counted as
+// failed, nothing published); another node loads what the bucket holds
+// and misses the rest, none failing its checks.
+func TestFullBucketFailsUploadsAndKeepsWhatItHas(t *testing.T) {
+	cfg := rgwConfig(t)
+	rgwCtl(t, "start-rgw")
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	rgwCtl(t, "bucket-quota", cfg.Bucket, "12582912") // 12 MiB: one object of 8 MiB
+	r := newRand(13)
+	fill(r, a.mem)
+	keys := [][]byte{[]byte("full-a"), []byte("full-b"), []byte("full-c")}
+	src := a.blocks(len(keys), 0)
+	a.put(t, keys, src)
+	want := make([][]byte, len(keys))
+	for i := range keys {
+		want[i] = a.data(src[i])
+	}
+	testwait.Until(t, "every upload to end", time.Minute, func() bool {
+		st := a.store.Stats()
+		return st.Uploaded+st.Failed == uint64(len(keys))
+	})
+	st := a.store.Stats()
+	if st.Failed == 0 || st.Uploaded == 0 {
+		t.Fatalf("uploads into a bucket with room for one object: %d done, %d failed; want both", st.Uploaded, st.Failed)
+	}
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	into := b.blocks(len(keys), 0)
+	res := b.load(t, keys, into)
+	loaded, failed, missing := checkOutcomes(t, b, res, keys, want, into)
+	if failed != 0 || uint64(loaded) != st.Uploaded {
+		t.Fatalf("from the full bucket: %d loaded, %d failed, %d missing; want the %d uploaded loaded", loaded, failed, missing, st.Uploaded)
+	}
+	t.Logf("full bucket: %d uploaded, %d refused; another node loads %d, misses %d", st.Uploaded, st.Failed, loaded, missing)
 }
