@@ -114,6 +114,32 @@ class LoadRateRecoveryTest(unittest.TestCase):
             model(recover_s=-1.0)
 
 
+class LoadLatencyTest(unittest.TestCase):
+    """The load's fixed cost is learned from each load's first layer
+    group, and has a way back as the rate has."""
+
+    def test_a_measured_latency_moves_the_model_and_the_split(self):
+        clock = Clock()
+        m = CostModel(LLAMA_BYTES_PER_TOKEN, 1.6, load_latency_s=0.001, prefill_s_per_token=2e-5,
+                      prefill_s_per_token2=1e-9, layers=32, alpha=1.0, recover_s=30.0, clock=clock)
+        before = m.split(8192 + 512, 0, 8192, 256)
+        m.observe_latency(0.15)  # a cold start of 150 ms, as a buffered disk's first job showed
+        self.assertAlmostEqual(m.load_latency_s, 0.15)
+        self.assertEqual(m.latency_observed, 1)
+        self.assertLess(m.split(8192 + 512, 0, 8192, 256), before)
+        clock.now += 30.0
+        self.assertAlmostEqual(m.load_latency_s, (0.15 + 0.001) / 2)  # half way back unmeasured
+        clock.now += 1e6
+        self.assertAlmostEqual(m.load_latency_s, 0.001)
+        self.assertEqual(m.split(8192 + 512, 0, 8192, 256), before)
+
+    def test_a_measurement_that_cannot_be_is_ignored(self):
+        m = model(load_latency_s=0.002)
+        for bad in (-0.1, float("inf"), float("nan")):
+            m.observe_latency(bad)
+        self.assertEqual((m.load_latency_s, m.latency_observed), (0.002, 0))
+
+
 class PipelineTest(unittest.TestCase):
     """The TTFT of a layer-wise load is a pipeline of layer groups: a
     group is computed once it has arrived."""
@@ -169,7 +195,8 @@ class PipelineTest(unittest.TestCase):
             prefix, suffix = r.randrange(0, 40000), r.randrange(1, 4000)
             computed = r.randrange(0, prefix + 1) // 16 * 16
             hit, total = r.randrange(computed, prefix + 1), prefix + suffix
-            m = self.pipelined(gbps, layers_per_load=r.choice([1, 2, 4]), shape=r.choice(["ramp", "even"]))
+            m = self.pipelined(gbps, layers_per_load=r.choice([1, 2, 4]), shape=r.choice(["ramp", "even"]),
+                               load_latency_s=r.choice([0.0, 0.001, 0.05, 0.3]))
             k = m.split(total, computed, hit, chunk)
             first, last = (computed // chunk + 1) * chunk, min(hit, total) // chunk * chunk
             cands = [computed] + list(range(first, last + 1, chunk))
@@ -182,6 +209,18 @@ class PipelineTest(unittest.TestCase):
             self.assertLessEqual(ttft(k), limit * (1 + 1e-12), (gbps, chunk, total, computed, hit))
             self.assertFalse([c for c in cands if c > k and ttft(c) <= limit * (1 - 1e-12)],
                              (gbps, chunk, total, computed, hit, k))
+
+    def test_the_split_with_a_latency_weighs_loading_nothing(self):
+        # A latency puts a step up between loading nothing and the first
+        # chunk: the least may be at nothing though a boundary inside is a
+        # local least.
+        for lat in (0.0, 0.05, 0.15, 0.5):
+            with self.subTest(lat=lat):
+                m = self.pipelined(1.6, load_latency_s=lat)
+                k = m.split(8704, 0, 8192, 256)
+                cands = range(0, 8193, 256)
+                limit = min(m.ttft_s(8704, 0, c, 8192) for c in cands) * (1 + m.min_gain)
+                self.assertLessEqual(m.ttft_s(8704, 0, k, 8192), limit * (1 + 1e-12), k)
 
     def test_bad_pipeline_options_are_refused_by_name(self):
         for key, value in (("layers", 0), ("layers_per_load", 1.5), ("shape", "odd"), ("job_s", -1)):

@@ -501,6 +501,8 @@ class DaemonTest(unittest.TestCase):
                 self.assertEqual(c["load_jobs"], LAYERS if c["layer_loads"] else 1)
                 self.assertEqual(c.get("load_failed_keys", 0), 0)
                 self.assertGreater(sched.counters()["load_measurements"], 0)
+                if c["layer_loads"]:  # the first group's time beyond its bytes: the load's latency
+                    self.assertGreater(sched.counters()["latency_measurements"], 0)
 
     def test_a_steps_load_jobs_hold_as_many_layers_as_the_learned_rate_moves_in_a_job(self):
         # A fast mount's jobs hold layers_per_load layers (ramp: 1, 2, 1

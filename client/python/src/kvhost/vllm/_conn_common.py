@@ -284,12 +284,15 @@ class WorkerMeta:
     (build_connector_worker_meta): the steps whose loads ended (their pins
     can go), the bytes the loads moved and the seconds they took, for the
     split's load rate, and computes, (step, seconds) of forward passes
-    without loads the worker timed, for its prefill model. vLLM joins the
-    workers' (aggregate)."""
+    without loads the worker timed, for its prefill model, and latencies,
+    the loads' fixed costs (each step's first layer group's time beyond
+    its bytes at the step's rate), for the split's load latency. vLLM
+    joins the workers' (aggregate)."""
 
-    def __init__(self, nbytes=0, seconds=0.0, steps=(), computes=()):
+    def __init__(self, nbytes=0, seconds=0.0, steps=(), computes=(), latencies=()):
         self.nbytes, self.seconds, self.steps = int(nbytes), float(seconds), tuple(steps)
         self.computes = tuple((int(s), float(t)) for s, t in computes)
+        self.latencies = tuple(float(x) for x in latencies)
 
     def aggregate(self, other):
         """Both workers' bytes, the slower one's time, either's steps, and
@@ -298,10 +301,11 @@ class WorkerMeta:
         for s, t in other.computes:
             computes[s] = max(t, computes.get(s, 0.0))
         return WorkerMeta(self.nbytes + other.nbytes, max(self.seconds, other.seconds),
-                          sorted(set(self.steps) | set(other.steps)), sorted(computes.items()))
+                          sorted(set(self.steps) | set(other.steps)), sorted(computes.items()),
+                          self.latencies + other.latencies)
 
     def __reduce__(self):
-        return (WorkerMeta, (self.nbytes, self.seconds, self.steps, self.computes))
+        return (WorkerMeta, (self.nbytes, self.seconds, self.steps, self.computes, self.latencies))
 
 
 

@@ -568,6 +568,8 @@ class ConnectorScheduler(_Half):
         if wm.nbytes:
             self.cost.observe_load(wm.nbytes, wm.seconds)
             self._stats["load_measurements"] += 1
+        for latency in getattr(wm, "latencies", ()):
+            self.cost.observe_latency(latency)
         for step, seconds in getattr(wm, "computes", ()):
             work = self._work.pop(step, None)
             if work and self.cost.observe_compute(work, seconds):
@@ -610,6 +612,8 @@ class ConnectorScheduler(_Half):
         """The scheduler's counters since it started (for tests and tools)."""
         s = dict(self._stats)
         s["load_gbps"] = self.cost.load_gbps
+        s["load_latency_ms"] = self.cost.load_latency_s * 1e3
+        s["latency_measurements"] = self.cost.latency_observed
         s["prefill_scale"] = self.cost.prefill_scale
         s["pinned_steps"] = len(self._pins)
         s["connected"] = self._broken is None

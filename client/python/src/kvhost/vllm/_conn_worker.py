@@ -42,7 +42,7 @@ class _Step:
     group its daemon jobs (each with the block lists of its keys), the
     groups waited for, when they started and ended, the bytes moved."""
     __slots__ = ("number", "jobs", "waited", "t0", "nbytes", "t_end", "layer_group", "gave_up", "lost",
-                 "sent", "daemon_s")
+                 "sent", "daemon_s", "first")
 
     def __init__(self, number, layer_group):
         self.number, self.jobs, self.waited = number, {}, set()
@@ -51,6 +51,7 @@ class _Step:
         self.t0, self.nbytes, self.t_end = time.monotonic(), 0, None
         self.sent = 0.0  # seconds from t0 to the last job's submission
         self.daemon_s = 0.0  # the longest job, submission to completion, as the daemon timed it
+        self.first = [0, 0.0]  # the first layer group's bytes and longest job (the load's latency)
         self.layer_group = layer_group  # layer name -> its job group's key: (KV-cache group, layer group)
 
 
@@ -85,6 +86,7 @@ class ConnectorWorker(_Half):
         self._loaded = set()                           # req ids with a load sent (get_finished reports them)
         self._given_up = collections.defaultdict(list)  # req id -> load jobs given up, maybe not ended
         self._measured = [0, 0.0]                      # bytes, seconds of loads since the last worker meta
+        self._latencies = []                           # loads' fixed costs measured since the last worker meta
         self._pass = None                              # (step, start) of a forward pass without loads, timed
         self._passes = []                              # (step, start, end) timed, not yet reported
         self._done_steps = []                          # steps whose loads ended since the last worker meta
@@ -416,6 +418,9 @@ class ConnectorWorker(_Half):
                 continue
             step.nbytes += r.bytes
             step.daemon_s = max(step.daemon_s, r.duration_ns / 1e9)
+            if g == next(iter(step.jobs)):
+                step.first[0] += r.bytes
+                step.first[1] = max(step.first[1], r.duration_ns / 1e9)
             failed = [b for (o, _), b in zip(r.keys, blocks) if o != p.OUTCOME_LOADED]
             failed += blocks[len(r.keys):]
             if failed:
@@ -456,6 +461,11 @@ class ConnectorWorker(_Half):
             self._measured[1] += seconds
             self._stats["bytes_loaded"] += step.nbytes
             self._stats["load_seconds"] += seconds
+            # The load's fixed cost: the first group's time beyond what its
+            # bytes take at the step's rate (opening files, a cold start).
+            fb, fs = step.first
+            if fb and fs and step.nbytes > fb:
+                self._latencies.append(max(0.0, fs - fb * seconds / step.nbytes))
         self._done_steps.append(step.number)
         self._step = None
 
@@ -672,8 +682,9 @@ class ConnectorWorker(_Half):
         there is none)."""
         (nbytes, secs), steps = self._measured, self._done_steps
         self._measured, self._done_steps = [0, 0.0], []
+        latencies, self._latencies = self._latencies, []
         computes = self._timed_passes()
-        return WorkerMeta(nbytes, secs, steps, computes) if steps or nbytes or computes else None
+        return WorkerMeta(nbytes, secs, steps, computes, latencies) if steps or nbytes or computes else None
 
     def _begin_pass(self, step):
         """Marks the start of a forward pass without loads (step > 0: one

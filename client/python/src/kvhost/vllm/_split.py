@@ -26,7 +26,9 @@ are about even, that costs about one group's work, which is why a slow
 mount (one layer's load alone at least job_s long) gets one layer per
 job, any other layers_per_load (layers_per_job).
 
-The rate is learned from the loads the workers time (observe_load); the
+The rate is learned from the loads the workers time (observe_load), the
+latency from each load's first layer group (observe_latency: its time
+beyond its bytes at the rate, the cost of starting a load); the
 prefill model's shape (fixed, a, b) is configured and its scale s learned
 from the forward passes the workers time (observe_compute), so that a
 GPU faster or slower than the configured one moves the split.
@@ -109,12 +111,14 @@ class CostModel:
         self.job_s = float(job_s)
         self._ends_cache = {}
         self.bytes_per_token = float(bytes_per_token)
+        self.latency_observed = 0  # load latencies taken in
         self._prior = float(load_gbps) * 1e9  # bytes per second: the configured rate
         self._learned = self._prior  # the rate as of the last measurement
+        self._latency_prior = self._latency_learned = float(load_latency_s)
+        self._latency_at = clock()
         self.recover_s = float(recover_s)
         self._clock = clock
         self._measured_at = clock()
-        self.load_latency_s = float(load_latency_s)
         self.a, self.b, self.fixed = float(prefill_s_per_token), float(prefill_s_per_token2), float(prefill_fixed_s)
         self.min_gain = float(min_gain)
         self.alpha = float(alpha)
@@ -131,6 +135,31 @@ class CostModel:
             return self._learned
         age = max(0.0, self._clock() - self._measured_at)
         return self._prior + (self._learned - self._prior) * 0.5 ** (age / self.recover_s)
+
+    @property
+    def load_latency_s(self):
+        """A load's fixed cost in seconds: the learned one, moved back
+        towards the configured one for the time none was measured (as
+        the rate is: a latency learned in a slow episode could otherwise
+        stop the loads that would measure its end)."""
+        prior, learned = self._latency_prior, self._latency_learned
+        if self.recover_s <= 0 or learned == prior:
+            return learned
+        age = max(0.0, self._clock() - self._latency_at)
+        return prior + (learned - prior) * 0.5 ** (age / self.recover_s)
+
+    def observe_latency(self, seconds):
+        """Takes a measured load latency (seconds a load's first layer
+        group took beyond its bytes at the rate) into the latency: an
+        EWMA of weight alpha over it as it stands now. Negative or
+        non-finite measurements are ignored."""
+        if not 0 <= seconds < math.inf:
+            return
+        with self._lock:
+            now = self.load_latency_s
+            self._latency_learned = now + self.alpha * (seconds - now)
+            self._latency_at = self._clock()
+            self.latency_observed += 1
 
     @property
     def load_gbps(self):
@@ -216,9 +245,13 @@ class CostModel:
         loading k - computed of them: the pipeline of their layer groups
         (layers_per_job of job_tokens, by default k - computed) beside the
         computation of tokens k..total."""
-        return self._pipeline(total, computed, k, self._rate, self._scale, job_tokens)
+        n = k - computed
+        ends = self._ends(n if job_tokens is None else job_tokens) if n > 0 and self.layers > 1 else ()
+        return self._pipeline(total, computed, k, self._rate, self._scale, self.load_latency_s, ends)
 
-    def _pipeline(self, total, computed, k, rate, scale, job_tokens=None):
+    def _pipeline(self, total, computed, k, rate, scale, lat, ends):
+        """TTFT(k) at rate, scale and latency lat, the load cut in the
+        layer groups whose run ends are ends (_ends)."""
         n = k - computed
         comp = 0.0
         if k < total:
@@ -226,7 +259,6 @@ class CostModel:
         if n <= 0:
             return comp
         load = n * self.bytes_per_token / rate
-        lat = self.load_latency_s
         if self.layers <= 1:
             return max(load + lat, comp)
         # Group j (count_j layers, through_j layers up to and with it)
@@ -238,7 +270,6 @@ class CostModel:
         # run's ends are weighed (_ends).
         pl, pc = load / self.layers, comp / self.layers
         d = pl - pc
-        ends = self._ends(n if job_tokens is None else job_tokens)
         return lat + pc * self.layers + max(d * through + pc * count for through, count in ends)
 
     def _ends(self, tokens):
@@ -273,18 +304,18 @@ class CostModel:
         hi = min(hit, total) // chunk
         if hi < lo:
             return computed
-        rate, scale = self._rate, self._scale  # one reading for the whole search
+        rate, scale, lat = self._rate, self._scale, self.load_latency_s  # one reading for the whole search
         cache = {}
         # Every candidate is priced with the layer groups of the whole
         # hit's load: with groups sized per candidate, the modelled TTFT
         # jumps where the job size changes and is no longer unimodal.
-        job = hi * chunk - computed
+        ends = self._ends(hi * chunk - computed) if self.layers > 1 else ()
 
         def ttft(m):  # m boundaries of chunk tokens cached (lo - 1: load nothing)
             t = cache.get(m)
             if t is None:
                 t = cache[m] = self._pipeline(total, computed, max(m * chunk, computed) if m >= lo else computed,
-                                              rate, scale, job)
+                                              rate, scale, lat, ends)
             return t
 
         # The least TTFT: the load grows and the computation of the rest
@@ -297,14 +328,19 @@ class CostModel:
                 y = m2
             else:
                 x = m1
-        best_m = min(range(x, y + 1), key=lambda m: (ttft(m), -m))
-        best = ttft(best_m)
-        # Past it the TTFT is the load's, growing with m: the largest
-        # boundary within min_gain of the least.
+        # The least over the boundaries, then loading nothing weighed
+        # apart: a load's latency puts a step up between it and the first
+        # boundary that the search may step over.
+        inner = min(range(max(x, lo), max(y, lo) + 1), key=lambda m: (ttft(m), -m))
+        best = min(ttft(inner), ttft(lo - 1))
+        # Past the inner least the TTFT is the load's, growing with m: the
+        # largest boundary within min_gain of the least.
         limit = best * (1.0 + self.min_gain)
         if ttft(hi) <= limit:
             return hi * chunk
-        x, y = best_m, hi
+        if ttft(inner) > limit:
+            return computed
+        x, y = inner, hi
         while x < y:
             m = (x + y + 1) // 2
             if ttft(m) <= limit:
