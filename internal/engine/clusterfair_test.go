@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -127,5 +129,50 @@ func TestClusterABusyNodeNeverStarvesTheQuietOnes(t *testing.T) {
 			t.Logf("stored %d, %d, %d; refused %d, %d, %d; peak %d of %d bytes", tallies[0].stored, tallies[1].stored, tallies[2].stored,
 				tallies[0].refused, tallies[1].refused, tallies[2].refused, peak.Load(), capacity)
 		})
+	}
+}
+
+// TestClusterAStoreWaitsForAnIdlePeerOnceNotAtEveryStore: node B holds 6
+// files of a bound of 8 and stays idle (an hour's interval: it evicts
+// down to its share, 4 files, only at its next tick). Node A, below its
+// share, waits for room once, when its room beside B's claim runs out:
+// that store is refused when the wait runs out, naming it; its next
+// stores, B's summary unchanged, wait no more and evict A's own files
+// instead, as a node at its room does.
+func TestClusterAStoreWaitsForAnIdlePeerOnceNotAtEveryStore(t *testing.T) {
+	ctx := context.Background()
+	file := oneFileBytes(t)
+	dir := t.TempDir()
+	mnt := []Mount{{Path: dir, ClusterCapacity: 8 * file, ClusterInterval: time.Hour}}
+	b := clusterNodeOf(t, Config{Mounts: mnt, NodeID: "b"})
+	r := rand.New(rand.NewPCG(94, 9))
+	storeKeys(t, b, "b", 6, r)
+	b.e.mounts[0].cluster.Tick(ctx)
+	a := clusterNodeOf(t, Config{Mounts: mnt, NodeID: "a"})
+	a.e.mounts[0].cluster.Tick(ctx)
+	var outcomes []string
+	for i := range 4 {
+		bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		a.c.fill(r, bl)
+		res := wait(t)(a.e.Store(ctx, StoreRequest{Cache: a.c.id, Keys: testKeys(fmt.Sprintf("a%d", i), 1), Blocks: [][]int{bl}}))
+		kr := res.Keys[0]
+		switch {
+		case kr.Outcome == OutcomeStored:
+			outcomes = append(outcomes, "stored")
+		case errors.Is(kr.Err, ErrNoSpace) && strings.Contains(kr.Err.Error(), "waited"):
+			outcomes = append(outcomes, "waited")
+		default:
+			outcomes = append(outcomes, fmt.Sprintf("%v: %v", kr.Outcome, kr.Err))
+		}
+	}
+	waited := slices.Index(outcomes, "waited")
+	stored := 0
+	for _, o := range outcomes {
+		if o == "stored" {
+			stored++
+		}
+	}
+	if waited < 0 || stored != len(outcomes)-1 {
+		t.Errorf("A's four stores beside idle B above its share: %q, want one that waited and the rest stored", outcomes)
 	}
 }

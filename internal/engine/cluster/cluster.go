@@ -8,6 +8,7 @@ import (
 	"maps"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -51,8 +52,13 @@ type Mount struct {
 	// (Reserve): the others evict down to leave it. 0 without a waiter.
 	want    int64
 	waiters int
-	seq     uint64
-	pub     *clustercap.Summary // the last summary published
+	// waitedOut is the live peers' summaries (peersSeen) when a wait for
+	// room last ran out: no store waits again until one of them changes
+	// (an idle peer above its share, of a long interval, would cost every
+	// store the whole wait).
+	waitedOut string
+	seq       uint64
+	pub       *clustercap.Summary // the last summary published
 	// The rest, in groups, all under mu but where a field says otherwise.
 	clusterView
 	clusterAdoption
@@ -1429,6 +1435,7 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 				return err
 			}
 			if time.Now().After(deadline) {
+				c.waitedOut = c.peersSeen()
 				var ns *NoSpaceError
 				if errors.As(err, &ns) {
 					ns.Why = fmt.Sprintf("waited %v for the other nodes to evict down to their fair shares (this node's: %d bytes; a node idle above its share evicts at its next tick)", wait, c.shareLocked())
@@ -1540,7 +1547,8 @@ func (c *Mount) reserveLocked(ctx context.Context, size int64) (starved bool, er
 		// Below its fair share beside a node above its own, a node keeps
 		// its files (but those below the cut-off) and asks the room.
 		need := c.own + size - limit
-		wait := err == nil && c.twin == "" && len(c.unknown) == 0 && c.own+size <= max(c.shareLocked(), size) && c.own+size <= c.yieldLimitLocked()
+		wait := err == nil && c.twin == "" && len(c.unknown) == 0 && c.own+size <= max(c.shareLocked(), size) && c.own+size <= c.yieldLimitLocked() &&
+			c.peersSeen() != c.waitedOut
 		if wait {
 			need = 0
 		}
@@ -1567,6 +1575,16 @@ func (c *Mount) reserveLocked(ctx context.Context, size int64) (starved bool, er
 	c.own += size
 	c.pending += size
 	return false, nil
+}
+
+// peersSeen identifies the live peers' summaries as last read: their
+// nodes and sequence numbers. Called with c.mu held.
+func (c *Mount) peersSeen() string {
+	var b strings.Builder
+	for _, p := range c.peers {
+		fmt.Fprintf(&b, "%s@%d ", p.Node, p.Seq)
+	}
+	return b.String()
 }
 
 // yieldLimitLocked is the most this node may hold once every live peer
