@@ -681,13 +681,13 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         dm.halt()
         # One engine (one engine_id: vLLM's config makes a new one for each
         # config built); its worker finds no daemon until let through.
-        from kvhost.vllm import _common, spec_worker
+        from kvhost.vllm import _connect, spec_worker
         let_worker = threading.Event()
         real_open = spec_worker.SpecWorker._open
 
         def held_open(worker):
             if not let_worker.is_set():
-                raise _common.DaemonAbsent("held by the test") from ConnectionRefusedError("held by the test")
+                raise _connect.DaemonAbsent("held by the test") from ConnectionRefusedError("held by the test")
             return real_open(worker)
 
         held = mock.patch.object(spec_worker.SpecWorker, "_open", held_open)

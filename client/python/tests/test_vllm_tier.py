@@ -995,7 +995,7 @@ class LostOrLate(unittest.TestCase):
             return self.up
 
     def test_only_errors_of_a_gone_connection_count_as_lost(self):
-        from kvhost.vllm._common import lost_connection as _lost_connection
+        from kvhost.vllm._connect import lost_connection as _lost_connection
         cases = [
             ("connection lost", kvhost.ConnectionLost("daemon closed the connection"), True, True),
             ("broken pipe", BrokenPipeError(), True, True),

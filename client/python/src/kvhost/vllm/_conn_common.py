@@ -16,8 +16,8 @@ from ..client import Geometry
 from . import _conn_groups as groups_
 from . import _namespace as ns_
 from . import spec_compat as sc
-from ._common import (DAEMON_WAIT_S, Reconnects, check_daemon_wait, check_request_timeout, check_seconds,
-                      merge_options)
+from ._common import DAEMON_WAIT_S, check_daemon_wait, check_request_timeout, check_seconds, merge_options
+from ._connect import Reconnects
 from ._removals import parse_media
 from ._split import CostModel, layer_groups  # noqa: F401 (layer_groups: re-exported)
 

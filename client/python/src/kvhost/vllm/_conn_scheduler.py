@@ -12,8 +12,8 @@ from ..client import ConnectionLost, KvhostError
 from . import _conn_groups as groups_
 from . import _namespace as ns_
 from . import spec_compat as sc
-from ._common import (DaemonAbsent, absent_if_late, absent_if_stopping, daemon_key, daemon_state, lost_connection,
-                      open_client, reason, setup_timeout)
+from ._common import daemon_key, daemon_state, reason, setup_timeout
+from ._connect import connect, lost_connection
 from ._conn_common import (_MAX_NAMESPACES, WORK_STEPS, ConnectorMetadata, Transfer, WorkerMeta, _Half, cost_model,
                            geometry)
 from ._removals import ConnectorRemovals, kv_event_api, parse_media
@@ -89,13 +89,10 @@ class ConnectorScheduler(_Half):
             raise ValueError(f"kvhost.vllm: salt_namespaces: {len(self._ns_names) - 1} names and the engine's own "
                              f"namespace, each of {per_name} namespaces (KV-cache groups at each rank), are more "
                              f"than the {_MAX_NAMESPACES} namespaces a connection may declare")
-        try:
-            self._client, self._ns = self._open()
-        except DaemonAbsent as e:
-            if o["reconnect_s"] <= 0:
-                raise
-            self._client, self._ns = None, None
-            self._start_unconnected(reason(e.__cause__))
+        conn, absent = self._connect_at_start()
+        self._client, self._ns = conn or (None, None)
+        if absent is not None:
+            self._start_unconnected(absent)
         # BlockStored of the chunks its saves stored, and BlockRemoved of
         # those the daemon drops, from a connection of their own, where
         # vLLM's KV events are on (docs/routers.md). A chunk is held where
@@ -117,12 +114,7 @@ class ConnectorScheduler(_Half):
             what="connector removals")
 
     def _open(self):
-        o = self._opts
-        # The handshake and the declarations wait daemon_wait_s at most (a
-        # start runs in vLLM's call), later requests request_timeout_s.
-        client = open_client(o["socket"], o["client_name"], setup_timeout(o),
-                             " (set the connector option \"socket\" or KVHOST_SOCKET)")
-        try:
+        def set_up(client):
             nss = {}  # salt name (None: the engine's) -> per KV-cache group its namespace at each rank
             for name in self._ns_names:
                 nss[name] = []
@@ -133,14 +125,11 @@ class ConnectorScheduler(_Half):
                         at.append(client.declare(geo))
                         ns_.check_served(at[-1].fingerprint, geo)
                     nss[name].append(at)
-            # Every request of the scheduler's is made in a vLLM call
-            # (lookups, pins, unpins): none waits past daemon_wait_s.
-        except BaseException as e:
-            client.close()
-            absent_if_stopping(e, o["socket"])
-            absent_if_late(e, o["socket"])
-            raise
-        return client, nss
+            return client, nss
+        # Every request of the scheduler's is made in a vLLM call (lookups,
+        # pins, unpins): none waits past daemon_wait_s.
+        return connect(self._opts, self._opts["client_name"], set_up,
+                       " (set the connector option \"socket\" or KVHOST_SOCKET)", request_timeout=False)
 
     def _ranks(self, g):
         """Ranks with a namespace of group g: one for a replicated group

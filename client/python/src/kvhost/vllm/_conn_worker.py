@@ -12,8 +12,8 @@ from ..client import ConnectionLost, KvhostError, Layer
 from . import _conn_groups as groups_
 from . import _namespace as ns_
 from . import spec_compat as sc
-from ._common import (DaemonAbsent, absent_if_late, absent_if_stopping, daemon_state, lost_connection, open_client,
-                      reason, setup_timeout, wait_ended)
+from ._common import daemon_state, reason, wait_ended
+from ._connect import connect, lost_connection
 from ._conn_common import STAT_KEYS, WORK_STEPS, WorkerMeta, _Half, geometry, layer_groups
 
 log = logging.getLogger("vllm.kvhost")
@@ -119,12 +119,11 @@ class ConnectorWorker(_Half):
         self._check_layout()
         self._nblocks = min(self._blocks_of(t, n) for t, n in zip(tensors, self._names))
         self._tensors = [_lead(t) for t in tensors]
-        try:
-            self._client, self._caches, self._regions = self._open()
-        except DaemonAbsent as e:
-            if self._opts["reconnect_s"] <= 0:
-                raise
-            self._start_unconnected(reason(e.__cause__))
+        conn, absent = self._connect_at_start()
+        if conn is not None:
+            self._client, self._caches, self._regions = conn
+        else:
+            self._start_unconnected(absent)
         log.info("kvhost connector: worker rank %d registered %d layers (%d blocks) in namespace %s", self.rank,
                  len(tensors), self._nblocks, self.namespace)
 
@@ -186,9 +185,9 @@ class ConnectorWorker(_Half):
     def _open(self):
         from .spec_worker import SpecWorker
         o = self._opts
-        client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", setup_timeout(o))
-        regions = {}
-        try:
+
+        def set_up(client):
+            regions = {}
             layers = {g.index: [] for g in self._groups}  # per KV-cache group, its layers in its order
             for name, t in zip(self._names, self._tensors):
                 g = self._group_of[name]
@@ -216,13 +215,8 @@ class ConnectorWorker(_Half):
                     ns = client.declare(geo)
                     ns_.check_served(ns.fingerprint, geo)
                     caches[(name, g.index)] = client.register_cache(ns, layers[g.index])
-            client.set_timeout(o["request_timeout_s"])
-        except BaseException as e:
-            client.close()
-            absent_if_stopping(e, o["socket"])
-            absent_if_late(e, o["socket"])
-            raise
-        return client, caches, regions
+            return client, caches, regions
+        return connect(o, f"{o['client_name']}-worker{self.rank}", set_up)
 
     def _swap_locked(self, new):
         self._client, self._caches, self._regions = new

@@ -27,8 +27,8 @@ from .. import protocol as p
 from ..client import KvhostError
 from . import _metrics
 from . import spec_compat as sc
-from ._common import (DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, lost_connection, open_client,
-                      reason, setup_timeout)
+from ._common import reason, setup_timeout
+from ._connect import Reconnects, absent_if_stopping, connect, lost_connection
 from ._namespace import check_served
 from ._removals import OffloadingRemovals, parse_media
 
@@ -135,16 +135,10 @@ class SpecManager(Reconnects):
         self._group = sc.engine_group(config)  # this engine's workers' (the daemon's Group)
         self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
                            for r in range(self._tp) for g in range(len(self._groups))}
-        try:
-            self._client, self._ns = self._open()
-            absent = None
-        except DaemonAbsent as e:
-            # No daemon yet: the manager starts as one that lost it (MISS,
-            # no stores) and a thread connects once one answers.
-            # reconnect_s = 0 never would.
-            if o["reconnect_s"] <= 0:
-                raise
-            self._client, self._ns, absent = None, None, reason(e.__cause__)
+        # No daemon yet: the manager starts as one that lost it (MISS, no
+        # stores) and a thread connects once one answers.
+        conn, absent = self._connect_at_start()
+        self._client, self._ns = conn or (None, None)
         # Stored events, and the removals of what they announced, from a
         # daemon connection of their own (docs/routers.md).
         where = sorted(self.namespaces)
@@ -167,11 +161,8 @@ class SpecManager(Reconnects):
         """A connection that pins, with every namespace (rank × group)
         declared: (client, {(rank, group): Namespace})."""
         o = self._opts
-        # The handshake and the declarations wait daemon_wait_s at most (a
-        # start runs in vLLM's call), later requests request_timeout_s.
-        client = open_client(o["socket"], o["client_name"], setup_timeout(o),
-                             " (set the spec option \"socket\" or KVHOST_SOCKET)")
-        try:
+
+        def set_up(client):
             try:
                 client.unpin(0)  # a daemon without pins answers "unknown type"
             except KvhostError as e:
@@ -187,13 +178,8 @@ class SpecManager(Reconnects):
                     # The spec's keys live on kvhost mounts only: a vllm-fs
                     # mount set to serve its namespace holds other bytes.
                     check_served(ns[(r, g)].fingerprint, geo)
-            client.set_timeout(o["request_timeout_s"])
-        except BaseException as e:
-            client.close()
-            absent_if_stopping(e, o["socket"])
-            absent_if_late(e, o["socket"])
-            raise
-        return client, ns
+            return client, ns
+        return connect(o, o["client_name"], set_up, " (set the spec option \"socket\" or KVHOST_SOCKET)")
 
     # -- losing the daemon and finding it again (Reconnects) ----------------------
 

@@ -17,9 +17,8 @@ import time
 from .. import protocol as p
 from ..client import ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
-from ._common import (DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, lost_connection,
-                      mapping_of as _mapping_of, open_client, open_mapped as _open_mapped, reason, setup_timeout,
-                      vllm_installed, wait_ended)
+from ._common import mapping_of as _mapping_of, open_mapped as _open_mapped, reason, vllm_installed, wait_ended
+from ._connect import Reconnects, connect, lost_connection
 from ._namespace import IdentityUnknown
 
 log = logging.getLogger("vllm.kvhost")
@@ -237,19 +236,18 @@ class SpecWorker(Reconnects):
                 self._check_layer(tensors[ti], page, ti, off)
         # _regions: storage address -> (region id, offset of the storage in
         # the region); _caches: per group, (cache id, num blocks).
-        try:
-            self._client, self._regions, self._caches, self.namespaces = self._open()
-        except DaemonAbsent as e:
+        conn, absent = self._connect_at_start()
+        if conn is not None:
+            self._client, self._regions, self._caches, self.namespaces = conn
+        else:
             # No daemon yet: the worker starts as one that lost it (stores
             # move nothing, a load waits load_retry_s for a connection) and
-            # a thread connects once one answers. reconnect_s = 0 never would.
-            if o["reconnect_s"] <= 0:
-                raise
+            # a thread connects once one answers.
             self._client, self._regions = None, {}
             self._caches = [(None, min(tensors[ti].shape[0] for ti, _ in planes)) for planes in self._layer_planes]
             self.namespaces = [sc.geometry(sc.describe(self._ident, g, self.shard)).model
                                for g in range(len(self._layer_planes))]
-            self._start_unconnected(reason(e.__cause__))
+            self._start_unconnected(absent)
         log.info("kvhost spec: worker rank %d (shard %d): %d tensors in %d regions, namespaces %s", self.rank,
                  self.shard, len(tensors), len(self._regions), self.namespaces)
 
@@ -319,11 +317,9 @@ class SpecWorker(Reconnects):
         """A connection with every group's namespace declared and its
         tensors registered: (client, regions, caches, namespace models)."""
         o = self._opts
-        # The handshake and the registrations wait daemon_wait_s at most
-        # (a start runs in vLLM's call), later requests request_timeout_s.
-        client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", setup_timeout(o))
-        regions, caches, names = {}, [], []
-        try:
+
+        def set_up(client):
+            regions, caches, names = {}, [], []
             self._join_group(client)
             for g, planes in enumerate(self._layer_planes):
                 geo = sc.geometry(sc.describe(self._ident, g, self.shard))
@@ -335,13 +331,8 @@ class SpecWorker(Reconnects):
                     layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
                     blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
                 caches.append((client.register_cache(ns, layers), blocks))
-            client.set_timeout(o["request_timeout_s"])
-        except BaseException as e:
-            client.close()
-            absent_if_stopping(e, o["socket"])
-            absent_if_late(e, o["socket"])
-            raise
-        return client, regions, caches, names
+            return client, regions, caches, names
+        return connect(o, f"{o['client_name']}-worker{self.rank}", set_up)
 
     def _join_group(self, client):
         """Joins this engine's group (vLLM's engine_id) before registering

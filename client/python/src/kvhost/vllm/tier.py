@@ -30,10 +30,10 @@ from .. import protocol as p
 from ..client import KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
-from ._common import (DAEMON_WAIT_S, DaemonAbsent, Reconnects, absent_if_late, absent_if_stopping, check_daemon_wait,
-                      check_request_timeout, check_seconds, daemon_key as _daemon_key, daemon_state, has_field,
-                      lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options, open_client,
-                      open_mapped as _open_mapped, pick_medium as _pick_medium, reason, setup_timeout, wait_ended)
+from ._common import (DAEMON_WAIT_S, check_daemon_wait, check_request_timeout, check_seconds, daemon_key as _daemon_key,
+                      daemon_state, has_field, mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
+                      pick_medium as _pick_medium, reason, setup_timeout, wait_ended)
+from ._connect import Reconnects, connect, lost_connection as _lost_connection
 from ._removals import OffloadingRemovals, parse_media
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
@@ -431,23 +431,15 @@ class _TierImpl(Reconnects):
         self._geom = geom
 
         self.data_path = None      # chosen at the first connection
-        absent = None              # why no daemon answers at start, where none does
         try:
-            self._s = self._connect(first=True)
+            # absent: why no daemon answers at start, where none does.
+            self._s, absent = self._connect_at_start(lambda: self._connect(first=True))
         except KvhostError as e:
             self._release()
             if o["vllm_fs"]:
                 raise RuntimeError(f"kvhost.vllm: vllm_fs: no vllm-fs mount of the daemon serves this "
                                    f"model's fs-tier directory {self.fs_base}: {e}") from e
             raise
-        except DaemonAbsent as e:
-            # No daemon yet (a node starting, its DaemonSet rolled out
-            # after vLLM): vLLM starts without kvhost, which a thread
-            # connects once it answers. reconnect_s = 0 never would.
-            if o["reconnect_s"] <= 0:
-                self._release()
-                raise
-            absent = reason(e.__cause__)
         except BaseException:
             self._release()
             raise
@@ -485,12 +477,9 @@ class _TierImpl(Reconnects):
         the data path's memory (on the first connection choosing the data
         path, later the same one again). Nothing of it stays on failure."""
         o = self._opts
-        # The handshake and the set-up requests wait daemon_wait_s at most
-        # (a start runs in vLLM's call), later requests request_timeout_s.
-        client = open_client(o["socket"], o["client_name"], setup_timeout(o),
-                             " (set the tier's \"socket\" key or KVHOST_SOCKET)")
-        s = _Session(client)
-        try:
+
+        def set_up(client):
+            s = _Session(client)
             s.ns = client.declare(self._geom)
             if s.ns.key_bytes != self._row_bytes:
                 raise RuntimeError(f"kvhost.vllm: the daemon derived {s.ns.key_bytes} bytes per key, "
@@ -505,13 +494,8 @@ class _TierImpl(Reconnects):
                 self._register_primary_again(s)
             else:
                 self._register_staging(s)
-            client.set_timeout(o["request_timeout_s"])
-        except BaseException as e:
-            s.client.close()  # it ran no job: what it holds on the daemon goes with the connection
-            absent_if_stopping(e, o["socket"])
-            absent_if_late(e, o["socket"])
-            raise
-        return s
+            return s
+        return connect(o, o["client_name"], set_up, " (set the tier's \"socket\" key or KVHOST_SOCKET)")
 
     def _adopt_region(self, np, view):
         """Reads the row geometry of vLLM's region (a (num_blocks,
