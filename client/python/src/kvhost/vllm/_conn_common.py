@@ -15,7 +15,7 @@ from .. import protocol as p
 from ..client import Geometry
 from . import _conn_groups as groups_
 from . import _namespace as ns_
-from . import spec_compat as sc
+from . import _pages as pages_
 from ._common import DAEMON_WAIT_S, check_daemon_wait, check_request_timeout, check_seconds, merge_options
 from ._connect import Reconnects
 from ._removals import parse_media
@@ -173,15 +173,15 @@ def identity(config, o, kv_cache_config=None):
     serve."""
     layout = o["page_layout"] if o["page_layout"] is not None else default_page_layout()
     ident = ns_.identity(config, IDENTITY_FORMAT, o["namespace"] or "", collapse=False, layout=layout)
-    sc.blocks_per_chunk(config)
+    pages_.blocks_per_chunk(config)
     ident["tensor_layout"] = o["tensor_layout"]
     kvg = groups_.from_vllm(kv_cache_config, config, o)
     if kvg is None or (len(kvg) == 1 and kvg[0].kind == groups_.FULL and not kvg[0].replicated):
-        n = len(sc.groups(ident))
+        n = len(pages_.groups(ident))
         if n != 1:
             raise ValueError(f"kvhost.vllm: this model has {n} KV-cache groups: KvhostConnector needs vLLM's "
                              "KVCacheConfig (its third constructor argument) to tell them apart")
-        ident["page_bytes"] = sc.page_bytes(config, o)
+        ident["page_bytes"] = pages_.page_bytes(config, o)
         pages = [ident["page_bytes"]]
     else:
         ident["kv_groups"] = [{**dataclasses.asdict(g), "layer_names": list(g.layer_names)} for g in kvg]
@@ -216,7 +216,7 @@ def geometry(ident, shard, salt_ns=None, group=0):
         prefix = f"vllm-conn@{salt_ns}"
     return Geometry(model=ns_.model_id(desc, prefix), layers=len(g.layer_names),
                     kv_heads=heads, head_size=head, dtype_size=1, tokens_per_block=1,
-                    tokens_per_key=g.blocks_per_key(sc.chunk_blocks(ident)), mla=planes == 1, tp_rank=shard,
+                    tokens_per_key=g.blocks_per_key(pages_.chunk_blocks(ident)), mla=planes == 1, tp_rank=shard,
                     tp_size=tp)
 
 

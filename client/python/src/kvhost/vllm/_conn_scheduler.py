@@ -11,7 +11,7 @@ from .. import protocol as p
 from ..client import ConnectionLost, KvhostError
 from . import _conn_groups as groups_
 from . import _namespace as ns_
-from . import spec_compat as sc
+from . import _pages as pages_
 from ._common import daemon_key, daemon_state, reason, setup_timeout
 from ._connect import connect, lost_connection
 from ._conn_common import (_MAX_NAMESPACES, WORK_STEPS, ConnectorMetadata, Transfer, WorkerMeta, _Half, cost_model,
@@ -52,12 +52,12 @@ class ConnectorScheduler(_Half):
         self._opts = o = opts
         self._ident = ident
         self._what = "connector scheduler"
-        self._bpc = sc.chunk_blocks(ident)
+        self._bpc = pages_.chunk_blocks(ident)
         self._groups = groups_.groups(ident)
         # Claims of a model with window or state groups must end where
         # those hold what the end needs (_claimable).
         self._hybrid = any(g.kind in (groups_.WINDOW, groups_.STATE) for g in self._groups)
-        grp = sc.groups(ident)[0]
+        grp = pages_.groups(ident)[0]
         self._tpb = grp["tokens_per_block"]
         self._chunk = self._bpc * self._tpb
         self._tph = ns_.count(config, "cache.tokens_per_hash", "tokens per hash")

@@ -11,7 +11,7 @@ from .. import protocol as p
 from ..client import ConnectionLost, KvhostError, Layer
 from . import _conn_groups as groups_
 from . import _namespace as ns_
-from . import spec_compat as sc
+from . import _pages as pages_
 from ._common import daemon_state, reason, wait_ended
 from ._connect import connect, lost_connection
 from ._conn_common import STAT_KEYS, WORK_STEPS, WorkerMeta, _Half, geometry, layer_groups
@@ -62,7 +62,7 @@ class ConnectorWorker(_Half):
     def __init__(self, config, ident, opts):
         self._opts = opts
         self._ident = ident
-        self._bpc = sc.chunk_blocks(ident)
+        self._bpc = pages_.chunk_blocks(ident)
         self._groups = groups_.groups(ident)
         # Every KV-cache group's layers (of this worker's pipeline stage).
         self._names = [n for g in self._groups for n in g.layer_names]
@@ -131,7 +131,7 @@ class ConnectorWorker(_Half):
         """Refuses pages whose byte order is not the identity's, where vLLM
         can say what this worker got (spec_worker.observe_layout)."""
         from . import spec_worker
-        seen = spec_worker.observe_layout(sc.groups(self._ident))
+        seen = spec_worker.observe_layout(pages_.groups(self._ident))
         if seen is None:
             return
         backends, layout = seen

@@ -33,6 +33,7 @@ from ._common import (DAEMON_WAIT_S, OffloadingEvent, RequestOffloadingContext, 
                       UnsupportedVLLM, check_daemon_wait, check_request_timeout, check_seconds, daemon_key,
                       merge_options, missing_features, pick_medium, unsupported, vllm_installed, vllm_version)
 from ._compat import stats_class
+from ._pages import blocks_per_chunk, chunk_blocks, groups, page_bytes  # noqa: F401 (re-exported)
 from ._namespace import IdentityUnknown  # noqa: F401 (re-exported)
 from ._removals import parse_media
 
@@ -238,16 +239,6 @@ def options(config):
     return o
 
 
-def blocks_per_chunk(config):
-    """GPU blocks per offloaded chunk (one key): config.cache.blocks_per_chunk,
-    as vLLM resolved it from block_size / blocks_per_chunk."""
-    n = ns_.count(config, "cache.blocks_per_chunk", "blocks per chunk")
-    if n > p.MAX_BLOCKS_PER_KEY:
-        raise ValueError(f"kvhost.vllm: blocks_per_chunk {n}: the daemon takes at most "
-                         f"{p.MAX_BLOCKS_PER_KEY} blocks per key")
-    return n
-
-
 def shards(config):
     """How many workers hold a different part of each block: tp × pcp
     (every rank stores its own shard; pipeline parallelism is refused)."""
@@ -271,24 +262,6 @@ def shard_of(config):
         raise IdentityUnknown(f"kvhost.vllm: the offloading config's parallel.rank {rank} is not below its "
                               f"world_size {world}; refusing to share KV under a guessed identity")
     return rank % n
-
-
-def page_bytes(config, opts):
-    """Bytes of one layer's page per GPU block: the option page_bytes, else
-    config.worker_kv_bytes_per_block over the most layers of any group
-    (vLLM gives every layer of every group one page size; a hybrid model's
-    groups share their tensors). IdentityUnknown when it does not divide."""
-    if opts.get("page_bytes"):
-        return int(opts["page_bytes"])
-    groups = ns_.groups_of(config)
-    total = ns_.attr(config, "worker_kv_bytes_per_block")
-    layers = max(len(g["layer_names"]) for g in groups)
-    if isinstance(total, bool) or not isinstance(total, int) or total <= 0 or total % layers:
-        raise IdentityUnknown(
-            f"kvhost.vllm: cannot tell the page size from vLLM's offloading config "
-            f"(worker_kv_bytes_per_block {total!r} over {layers} layers); set the spec option "
-            "\"page_bytes\" (bytes per layer and GPU block) — the scheduler and every worker must agree")
-    return total // layers
 
 
 def identity(config, opts):
@@ -316,16 +289,6 @@ def engine_group(config):
         return ""
     b = eid.encode()
     return eid if len(b) <= p.MAX_GROUP_LEN else hashlib.sha256(b).hexdigest()
-
-
-def groups(ident):
-    """The KV-cache groups of an identity: [{"tokens_per_block", "layer_names"}]."""
-    return ident["fields"]["kv_cache_groups"]
-
-
-def chunk_blocks(ident):
-    """GPU blocks per key (per offloaded chunk) of an identity."""
-    return ident["fields"]["blocks_per_file"]
 
 
 def describe(ident, group, shard):
