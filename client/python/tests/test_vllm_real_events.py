@@ -468,7 +468,7 @@ from test_vllm_real_tier import RealTieringCase, key as tier_key  # noqa: E402
 
 @unittest.skipIf(_DEPS, _DEPS or "")
 @unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
-@unittest.skipIf(_wired("tier", "_OWN_KEYS", "tier"), _wired("tier", "_OWN_KEYS", "tier") or "")
+@unittest.skipIf(_wired("_tier_options", "OWN_KEYS", "tier"), _wired("_tier_options", "OWN_KEYS", "tier") or "")
 class TestTierInVllm(PublishedInVllm, RealTieringCase):
     """KvhostTier in vLLM's TieringOffloadingManager, its events through
     vLLM's tracker and publisher to a router."""
