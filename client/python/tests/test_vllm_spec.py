@@ -1609,10 +1609,10 @@ class TestHitWindow(SpecCase):
         keys get a MISS (their pins ended with that connection, so none is
         released or counted), and settling it reads the round without
         changing it."""
-        from kvhost.vllm import spec as spec_mod
+        from kvhost.vllm import _spec_pins
         m = self.manager(self.spec())
         ks = keys(2, "replaced")
-        rnd = spec_mod._PinRound(object(), ks, time.monotonic())  # not the manager's connection
+        rnd = _spec_pins._PinRound(object(), ks, time.monotonic())  # not the manager's connection
         rnd.pins.append(7)
         before = m.counters()
         with m._cv:
