@@ -764,7 +764,7 @@ class TestDaemonRestart(SpecCase):
             def wait(self, timeout=None):
                 return Result([(kvhost.OUTCOME_CANCELLED, 0)] * len(ks), 0, 0, "key 0: context canceled")
 
-        from kvhost.vllm.spec_worker import _Transfer
+        from kvhost.vllm._spec_transfers import _Transfer
         for by_worker in (False, True):
             tr = _Transfer(900 + by_worker, True, len(ks), (gpu, load))
             tr.client, tr.cancelled = w._client, by_worker

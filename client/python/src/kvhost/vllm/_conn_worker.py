@@ -14,6 +14,7 @@ from . import _namespace as ns_
 from . import _pages as pages_
 from ._common import daemon_state, reason, wait_ended
 from ._connect import connect, lost_connection
+from ._regions import region_of
 from ._conn_common import STAT_KEYS, WORK_STEPS, WorkerMeta, _Half, geometry, layer_groups
 
 log = logging.getLogger("vllm.kvhost")
@@ -183,7 +184,6 @@ class ConnectorWorker(_Half):
                 f"...) K and V planes (\"planes\"): set tensor_layout \"{other}\" if the tensors are that")
 
     def _open(self):
-        from .spec_worker import SpecWorker
         o = self._opts
 
         def set_up(client):
@@ -193,14 +193,7 @@ class ConnectorWorker(_Half):
                 g = self._group_of[name]
                 planes = self._ident["tensor_layout"] == "planes" and g.kind != groups_.STATE
                 es = t.element_size()
-                st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
-                addr = st.data_ptr()
-                if addr not in regions:
-                    if getattr(t, "is_cuda", False):
-                        regions[addr] = (client.register_cuda_tensor(t), 0)
-                    else:
-                        regions[addr] = SpecWorker._register_host(client, addr, st.nbytes())
-                region, base = regions[addr]
+                region, base = region_of(client, regions, t)
                 off = base + t.storage_offset() * es
                 if planes:
                     layers[g.index].append(Layer(region, offset=off, block_stride=t.stride(1) * es,
