@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/metrics"
 	"github.com/kvhost/kvhost/internal/objstore"
 )
 
@@ -43,4 +44,15 @@ func OpenObjects(ctx context.Context, o config.Objects, log *slog.Logger) (*objs
 	}
 	log.Info("object mount", "endpoint", o.Endpoint, "bucket", o.Bucket, "prefix", o.Prefix, "objects", st.Stats().Objects)
 	return st, nil
+}
+
+// ObjectMetrics adapts the object mount's stats to the metrics' snapshot.
+func ObjectMetrics(stats func() objstore.Stats) func() metrics.ObjectStats {
+	return func() metrics.ObjectStats {
+		st := stats()
+		return metrics.ObjectStats{
+			Keys: st.Objects, Uploaded: st.Uploaded, Skipped: st.Skipped, Failed: st.Failed, Dropped: st.Dropped,
+			Gets: st.Gets, GetErrors: st.GetErrors, GetBytes: st.GetBytes, Bad: st.Removed, Deleted: st.Deleted, Listings: st.Listings,
+		}
+	}
 }

@@ -455,6 +455,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 				return d.reloads, d.reloadFailures
 			},
 		}
+		if objs != nil {
+			src.Objects = ObjectMetrics(objs.Stats)
+		}
 		if gp != nil {
 			src.GPUFiles, src.GPUStaging, src.GPUFaults = GPUFileMetrics(gp.Staging().FileStats), gp.Staging().PinnedUsage, gp.deviceFaults
 			src.GPUChecksumJobs = gp.Staging().SumJobs

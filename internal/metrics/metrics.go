@@ -45,6 +45,8 @@ type Sources struct {
 	// Removals reports the engine's removal feed: records published,
 	// resyncs told to subscribers, subscriptions open (nil: left out).
 	Removals func() RemovalStats
+	// Objects reports the object mount's counts (nil without one).
+	Objects func() ObjectStats
 	// GPUFiles reports the files the GPU staging pipeline keeps
 	// registered (nil without a GPU).
 	GPUFiles func() GPUFileStats
@@ -359,6 +361,13 @@ var (
 	dRemovalRecords     = desc("kvhost_removal_records_total", "Keys recorded in the removal feed (removed, or moved to another mount) since its first subscription.")
 	dRemovalResyncs     = desc("kvhost_removal_resyncs_total", "Resyncs told to removal subscribers: removals lost to them (a slow reader, or a cursor older than the ring).")
 	dRemovalSubscribers = desc("kvhost_removal_subscribers", "Removal subscriptions open now.")
+	dObjectKeys         = desc("kvhost_objects_keys", "Keys the object mount's bucket is known to hold (uploaded by this daemon, or found by a listing).")
+	dObjectUploads      = desc("kvhost_objects_uploads_total", "Published files the object mount was given, by result (uploaded; skipped: the bucket held the key; failed; dropped: the queue was full).", "result")
+	dObjectGets         = desc("kvhost_objects_get_requests_total", "Ranged GETs of loads from the object mount.")
+	dObjectGetErrors    = desc("kvhost_objects_get_errors_total", "Ranged GETs of loads from the object mount that failed.")
+	dObjectGetBytes     = desc("kvhost_objects_get_bytes_total", "Bytes loads read from the object mount.")
+	dObjectRemoved      = desc("kvhost_objects_removed_total", "Objects removed from the bucket, by reason (bad: failed a load's checks; deleted: a client deleted the key).", "reason")
+	dObjectListings     = desc("kvhost_objects_listings_total", "Listings of the object mount's bucket.")
 )
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
@@ -581,5 +590,19 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dRemovalRecords, r.Published)
 		counter(dRemovalResyncs, r.Resyncs)
 		gauge(dRemovalSubscribers, float64(r.Subscribers))
+	}
+	if src.Objects != nil {
+		o := src.Objects()
+		gauge(dObjectKeys, float64(o.Keys))
+		counter(dObjectUploads, o.Uploaded, "uploaded")
+		counter(dObjectUploads, o.Skipped, "skipped")
+		counter(dObjectUploads, o.Failed, "failed")
+		counter(dObjectUploads, o.Dropped, "dropped")
+		counter(dObjectGets, o.Gets)
+		counter(dObjectGetErrors, o.GetErrors)
+		counter(dObjectGetBytes, o.GetBytes)
+		counter(dObjectRemoved, o.Bad, "bad")
+		counter(dObjectRemoved, o.Deleted, "deleted")
+		counter(dObjectListings, o.Listings)
 	}
 }

@@ -77,6 +77,7 @@ func fullSources(dir, refusing string) Sources {
 		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
 		Reloads:   func() (uint64, uint64) { return 4, 1 },
 		Removals:  func() RemovalStats { return RemovalStats{Published: 9, Resyncs: 1, Subscribers: 2} },
+		Objects:   func() ObjectStats { return ObjectStats{Keys: 3, Uploaded: 2, Gets: 5, GetBytes: 1 << 20} },
 		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
 		GPUFiles: func() GPUFileStats {
 			return GPUFileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}

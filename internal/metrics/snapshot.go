@@ -258,3 +258,13 @@ type RemovalStats struct {
 	Resyncs     uint64 // resyncs told to subscribers
 	Subscribers int64  // subscriptions open now
 }
+
+// ObjectStats is what the metrics read of the object mount
+// (docs/object.md).
+type ObjectStats struct {
+	Keys                               int    // keys the bucket is known to hold
+	Uploaded, Skipped, Failed, Dropped uint64 // published files copied, not copied (held), failed, not queued
+	Gets, GetErrors, GetBytes          uint64 // loads' GET requests, those that failed, bytes read
+	Bad, Deleted                       uint64 // objects removed as bad, and as their keys were deleted
+	Listings                           uint64 // listings of the bucket
+}
