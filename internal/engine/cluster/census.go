@@ -23,10 +23,11 @@ const (
 	// censusIntervals is how many of the mount's intervals pass between
 	// the end of one census and the start of the next.
 	censusIntervals = 8
-	// censusRate bounds the headers a census reads a second (files it
-	// has not seen in the same state before); listings are not paced.
-	censusRate = 2048
-	// censusBatch is how many headers a census reads between two pauses.
+	// censusRate bounds the files a census visits a second: a stat each,
+	// and a header read for each it has not seen in the same state
+	// before. Listings are not paced.
+	censusRate = 4096
+	// censusBatch is how many files a census visits between two pauses.
 	censusBatch = 32
 	// maxWriters bounds the writers a census remembers.
 	maxWriters = 16
@@ -66,8 +67,8 @@ type Census interface {
 	Census(ctx context.Context, file func(path string, id fsys.Identity, header func() (uint64, error)) error, temp func(node string)) error
 }
 
-// runCensus walks the mount (Host.Census), pacing its header reads at
-// censusRate, and installs what it found (c.census) once it completes.
+// runCensus walks the mount (Host.Census), pacing the files it visits
+// at censusRate, and installs what it found (c.census) once it completes.
 // It runs without c.mu, but for the install.
 func (c *Mount) runCensus(ctx context.Context) error {
 	h, ok := c.Host.(Census)
@@ -89,24 +90,25 @@ func (c *Mount) runCensus(ctx context.Context) error {
 	if next.writers == nil {
 		next.writers = map[string]bool{}
 	}
-	read := 0
+	visited := 0
 	start := time.Now()
 	err := h.Census(ctx, func(path string, id fsys.Identity, header func() (uint64, error)) error {
-		fid, seen := known[id]
-		if !seen {
-			if read++; read%censusBatch == 0 {
-				// Pace: read censusBatch headers, then wait as censusRate asks.
-				due := start.Add(time.Duration(read) * time.Second / censusRate)
-				if wait := time.Until(due); wait > 0 {
-					t := time.NewTimer(wait)
-					select {
-					case <-ctx.Done():
-						t.Stop()
-						return errCensusPace
-					case <-t.C:
-					}
+		if visited++; visited%censusBatch == 0 {
+			// Pace: censusBatch files, then wait as censusRate asks (the
+			// walk stats the next file once this returns).
+			due := start.Add(time.Duration(visited) * time.Second / censusRate)
+			if wait := time.Until(due); wait > 0 {
+				t := time.NewTimer(wait)
+				select {
+				case <-ctx.Done():
+					t.Stop()
+					return errCensusPace
+				case <-t.C:
 				}
 			}
+		}
+		fid, seen := known[id]
+		if !seen {
 			var err error
 			if fid, err = header(); err != nil {
 				return nil // not a kvhost file, or gone: nobody's to count
