@@ -177,8 +177,34 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 	t := p.track
 	for i := range recs {
 		r := &recs[i]
-		p.age(r.Time)
-		if r.Kind == abi.AccessInsert || r.Kind == abi.AccessHit {
+		if r.Time != 0 && (!p.started || r.Time-p.lastAged >= p.halfLife) {
+			p.age(r.Time) // an aging may be due (or a late record, which age ignores)
+		}
+		if r.Kind == abi.AccessHit {
+			// The commonest record: one lookup, the Tracker's hit path;
+			// a count that stays on its level stays on its list.
+			j, ok := t.Pool.Lookup(r.Entry)
+			if !ok {
+				continue // unknown: ignored
+			}
+			e := t.Pool.At(j)
+			c := p.count(e)
+			e.Hits = c
+			p.reserve()
+			n := c
+			if n != ^uint32(0) {
+				n++
+			}
+			if k := p.epoch + uint64(bits.Len32(n)); c != 0 && p.active[k%ring] == int32(e.Class) {
+				t.Touch(j, r.Time)
+				continue
+			}
+			if err := t.Hit(j, r.Time); err != nil {
+				return err
+			}
+			continue
+		}
+		if r.Kind == abi.AccessInsert {
 			// Bring the count up to date before the Tracker adds one. Its
 			// list's key stays that of the count, so the entry may stay on
 			// it even if the record is refused.
@@ -254,9 +280,14 @@ func (p *Policy) rekey(epoch uint64) {
 // one call that may move more than the drain budget: at most about 1/991
 // of the entries, since more than 991 lists are stale then.
 func (p *Policy) reserve() {
-	if len(p.free) > 0 || len(p.keys) < policykit.MaxClasses {
-		return
+	if len(p.free) == 0 && len(p.keys) >= policykit.MaxClasses {
+		p.drainSmallest()
 	}
+}
+
+// drainSmallest drains the stale list with the fewest entries, freeing
+// its slot (reserve's slow path, out of line so that reserve inlines).
+func (p *Policy) drainSmallest() {
 	lists, best := p.track.Lists, 0
 	for j, s := range p.stale {
 		if lists[s].Len() < lists[p.stale[best]].Len() {

@@ -61,7 +61,7 @@ func New() *Policy {
 	return &Policy{
 		layout: policykit.Layout{KeysPerFile: abi.DefaultKeysPerFile, Order: abi.DefaultOrder},
 		names:  names,
-		track:  policykit.NewTracker(1, func(e *policykit.Entry) uint32 { return uint32(e.Mount) }),
+		track:  policykit.NewTrackerByMount(1),
 	}
 }
 

@@ -92,7 +92,7 @@ func New() *Policy {
 		window:      uint64(DefaultPromoteWindow),
 		names:       names,
 	}
-	p.track = policykit.NewTracker(2, func(e *policykit.Entry) uint32 { return uint32(e.Mount) })
+	p.track = policykit.NewTrackerByMount(2)
 	return p
 }
 
@@ -187,12 +187,21 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 	t := p.track
 	for i := range recs {
 		r := &recs[i]
-		if err := t.Apply(r); err != nil {
-			return err
-		}
 		slot, ok := t.Pool.Lookup(r.Entry)
-		if !ok {
-			continue
+		if r.Kind == abi.AccessHit {
+			// The commonest record: one lookup, the Tracker's hit path
+			// (a hit keeps the mount, so the list).
+			if !ok {
+				continue
+			}
+			t.Touch(slot, r.Time)
+		} else {
+			if err := t.Apply(r); err != nil {
+				return err
+			}
+			if slot, ok = t.Pool.Lookup(r.Entry); !ok {
+				continue
+			}
 		}
 		for int(slot) >= len(p.win) {
 			p.win = append(p.win, hitWindow{})

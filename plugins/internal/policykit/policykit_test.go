@@ -118,8 +118,8 @@ func listOrder(t *testing.T, p *Pool, l *List) []uint64 {
 }
 
 // TestListAgainstASortedSlice runs random inserts (with ties), removes and
-// touches (remove, new time, insert; or Touch, often of the back or with
-// the time unchanged or a little later) against a slice kept in time
+// touches (remove, new time, insert; or Touch, often of the back, with
+// the time unchanged, a little later or at the back's) against a slice kept in time
 // order, equal times in insertion order.
 func TestListAgainstASortedSlice(t *testing.T) {
 	for _, span := range []uint64{4, 1000, 1 << 40} {
@@ -169,11 +169,16 @@ func TestListAgainstASortedSlice(t *testing.T) {
 				i := ref[k]
 				ref = slices.Delete(ref, k, k+1)
 				old := p.At(i).Time
-				switch rng.IntN(3) {
+				switch rng.IntN(4) {
 				case 0:
 					p.At(i).Time = rng.Uint64N(span)
 				case 1:
 					p.At(i).Time = min(old+rng.Uint64N(3), span-1)
+				case 2:
+					// A hit: to the back's time or later (moveBack).
+					if len(ref) > 0 {
+						p.At(i).Time = max(old, p.At(ref[len(ref)-1]).Time+rng.Uint64N(2))
+					}
 				}
 				place(i)
 				l.Touch(&p, i, old)

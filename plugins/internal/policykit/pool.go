@@ -208,10 +208,53 @@ func (l *List) Touch(p *Pool, i int32, old uint64) {
 			if n := p.Next(i); e[n].Time > t {
 				return
 			}
+		} else {
+			l.moveBack(p, i)
+			return
 		}
 	}
 	l.Remove(p, i)
 	l.Insert(p, i)
+}
+
+// moveBack moves slot i, on l and not its back, to the back: Remove then
+// Insert of an entry whose Time is not before the back's (a hit, the
+// commonest record), with rotateUp's work inline where it rotates up,
+// since in a Go guest each call costs tens of wasm instructions.
+func (l *List) moveBack(p *Pool, i int32) {
+	e := p.entries
+	x := &e[i]
+	// Unlink i: rotate it down below the child of higher priority until
+	// it has at most one child, then put that child in its place.
+	for x.left != none && x.right != none {
+		c := x.left
+		if priority(x.right) > priority(c) {
+			c = x.right
+		}
+		l.rotateUp(p, c)
+	}
+	c := x.left
+	if c == none {
+		c = x.right
+	}
+	l.replace(p, i, c)
+	// Hang it below the back, the rightmost slot, as its right child,
+	// and rotate it up while its priority is higher than its parent's
+	// (rotateUp's work for a right child, inline).
+	at := l.tail
+	x.left, x.right, x.up = none, none, at
+	e[at].right = i
+	l.tail = i
+	pi := priority(i)
+	for y := at; y != none && priority(y) < pi; y = x.up {
+		b := x.left
+		if e[y].right = b; b != none {
+			e[b].up = y
+		}
+		x.left = y
+		l.replace(p, y, i) // inlined
+		e[y].up = i
+	}
 }
 
 // Remove unlinks slot i, which must be on l.
