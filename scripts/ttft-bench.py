@@ -5,6 +5,9 @@ cached in kvhost, against recomputing it and against the physical bound.
     ttft-bench.py --dir DIR [--sizes 2048,8192,32256] [--suffix 512]
                   [--reps 5] [--cold] [--json FILE] [--llmd MODDIR] ...
 
+--window N makes the model a gpt-oss-like hybrid (even layers a sliding
+window of N tokens, in a KV-cache group of their own: docs/ttft.md).
+
 The model (scripts/ttft_model.py) has random bf16 weights: 32 layers,
 hidden 4096, 32 query heads, 8 KV heads of 128, a SwiGLU MLP of 14336, a
 head over a small vocabulary (8192); every dimension is a flag, so that a
@@ -152,6 +155,9 @@ def parse_args(argv=None):
                     help="the connector's layer_groups: ramp (first and last jobs one layer) or even")
     ap.add_argument("--job-timeout", type=float, default=120, help="seconds a load may take before it fails")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window", type=int, default=0,
+                    help="> 0: a gpt-oss-like hybrid, every even layer a sliding window of this many tokens (128 "
+                         "as gpt-oss), the odd ones full attention, in two KV-cache groups of the connector")
     ap.add_argument("--corrupt-stored", action="store_true",
                     help="a check of the checks (tests): flip the first payload byte of the newest file under "
                          "--dir after each store; every load mode must then say ok False")
@@ -176,6 +182,11 @@ def parse_args(argv=None):
     if a.layers_per_load <= 0:
         ap.error("--layers-per-load: want > 0")
     return a
+
+
+def model_suffix(a):
+    """What the model's name adds for a hybrid (its own namespaces)."""
+    return f"-window{a.window}" if a.window else ""
 
 
 def drop_page_cache(state):
@@ -241,7 +252,7 @@ class Bench:
         if self.cuda:
             torch.cuda.set_device(self.dev.index or 0)
         self.cfg = Config(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
-                          head_dim=a.head_dim, mlp=a.mlp, vocab=a.vocab)
+                          head_dim=a.head_dim, mlp=a.mlp, vocab=a.vocab, window=a.window)
         self.model = Model(self.cfg, self.dev, seed=a.seed)
         bt = self.cfg.block_tokens
         self.num_blocks = (max(a.sizes) + a.suffix + bt - 1) // bt + 2  # the request's, one spare, the null block
@@ -263,7 +274,7 @@ class Bench:
         self.table = (torch.randperm(self.num_blocks - 1, generator=g) + 1).to(self.dev)
         self.table_list = self.table.tolist()
         geometry = kvhost.Geometry(
-            model=f"ttft-bench/random-llama-{a.layers}x{a.hidden}-seed{a.seed}", layers=a.layers,
+            model=f"ttft-bench/random-llama-{a.layers}x{a.hidden}-seed{a.seed}{model_suffix(a)}", layers=a.layers,
             kv_heads=a.kv_heads, head_size=a.head_dim, dtype_size=2, tokens_per_block=bt,
             tokens_per_key=a.tokens_per_key)
         self.ns = client.declare(geometry)
@@ -296,6 +307,39 @@ class Bench:
 
     def prefix_blocks(self, tokens):
         return self.table[:tokens // self.cfg.block_tokens]
+
+    def window_first(self, k):
+        """The first block a sliding-window layer still needs once k tokens
+        are cached: the block of position k - window + 1 (vLLM's null block
+        0 stands before it in the window group's table)."""
+        if not self.cfg.window:
+            return 0
+        return max(0, k - self.cfg.window + 1) // self.cfg.block_tokens
+
+    def window_list(self, k, n):
+        """The window group's first n blocks of the request once k tokens
+        are cached: null before window_first(k), the request's after."""
+        first = self.window_first(k)
+        return [0] * min(first, n) + self.table_list[first:n]
+
+    def window_table(self, k):
+        """window_list of every block of the table, on the device (None for
+        a model without window layers)."""
+        if not self.cfg.window:
+            return None
+        return torch.tensor(self.window_list(k, len(self.table_list)), device=self.dev)
+
+    def loaded_equal(self, k, ref_kv):
+        """Whether every block the load of k tokens puts back equals the
+        recomputation's: every prefix block of full-attention layers, the
+        blocks from window_first(k) of window layers."""
+        n, first = k // self.cfg.block_tokens, self.window_first(k)
+        got = self.cache.index_select(2, self.prefix_blocks(k))
+        for layer in range(self.cfg.layers):
+            lo = first if self.cfg.windowed(layer) else 0
+            if not torch.equal(got[layer, :, lo:n], ref_kv[layer, :, lo:n]):
+                return False
+        return True
 
     def poison(self, p):
         """NaN into every layer's K and V of the prefix's blocks."""
@@ -364,7 +408,8 @@ class Bench:
             (in place since the recomputation); returns the last logits."""
             reps, oks, errs = [], [], []
             for _ in range(a.warmup + a.reps):
-                ms, logits = self.timed(lambda: self.model.forward(tokens[k:], k, self.cache, self.table))
+                ms, logits = self.timed(lambda: self.model.forward(tokens[k:], k, self.cache, self.table,
+                                                                   window_table=self.window_table(k)))
                 reps.append(ms)
                 self._check(logits, ref, oks, errs)
             record(mode, reps, oks, errs, {"cached_tokens": k})
@@ -388,23 +433,24 @@ class Bench:
         def load_mode(mode, run):
             """Times run(failures) -> (logits, tokens loaded) from poisoned
             prefix blocks, checking each repetition."""
-            reps, oks, errs, loaded, as_suffix, dropped = [], [], [], [], [], []
+            reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
             for _ in range(a.warmup + a.reps):
                 self.poison(p)
                 if a.cold:
                     dropped.append(drop_page_cache(self.cold_state))
                 failures = []
+                self.loaded_bytes = None
                 ms, (logits, k) = self.timed(lambda: run(failures))
                 reps.append(ms)
                 loaded.append(k)
+                nbytes.append(self.loaded_bytes)
                 if suffix_logits is not None:
                     as_suffix.append(bool(torch.equal(logits, suffix_logits)))
-                same = torch.equal(self.cache.index_select(2, self.prefix_blocks(k)),
-                                   ref_kv[:, :, :k // self.cfg.block_tokens])
-                if not same:
+                if not self.loaded_equal(k, ref_kv):
                     failures.append(f"loaded blocks differ from the recomputation's ({k} tokens)")
                 self._check(logits, ref, oks, errs, failures)
             record(mode, reps, oks, errs, {"loaded_tokens": loaded[-1], "loaded_tokens_reps": loaded[a.warmup:],
+                                           "loaded_bytes_reps": nbytes[a.warmup:],
                                            "logits_equal_suffix_ceiling": as_suffix,
                                            "page_cache_dropped": dropped})
 
@@ -414,7 +460,7 @@ class Bench:
         if "whole" in a.modes:
             def whole(failures):
                 self._wait(self.c.load(self.cache_id, keys, blocks), nkeys, failures)
-                return self.model.forward(tokens[p:], p, self.cache, self.table), p
+                return self.model.forward(tokens[p:], p, self.cache, self.table, window_table=self.window_table(p)), p
             load_mode("whole", whole)
 
         if {"layerwise", "split"} & set(a.modes):
@@ -473,20 +519,26 @@ class Bench:
         side = torch.cuda.Stream() if self.cuda else None
         events = [torch.cuda.Event() for _ in range(self.cfg.layers)] if self.cuda else None
 
+        # A window layer needs only the blocks of its window.
+        first = [self.window_first(p) if self.cfg.windowed(layer) else 0 for layer in range(self.cfg.layers)]
+
         def run(failures):
             if side is not None:
                 with torch.cuda.stream(side):
                     for layer in range(self.cfg.layers):
-                        staged[layer].copy_(host[layer], non_blocking=True)
+                        staged[layer, :, first[layer]:].copy_(host[layer, :, first[layer]:], non_blocking=True)
                         events[layer].record(side)
 
             def wait(i):
                 if side is not None:
                     torch.cuda.current_stream().wait_event(events[i])
                 else:  # on the CPU (tests): the copy in line
-                    staged[i].copy_(host[i])
-                self.cache[i].index_copy_(1, blocks, staged[i])
-            return self.model.forward(tokens[p:], p, self.cache, self.table, before_attention=wait), p
+                    staged[i, :, first[i]:].copy_(host[i, :, first[i]:])
+                self.cache[i].index_copy_(1, blocks[first[i]:], staged[i, :, first[i]:])
+            self.loaded_bytes = sum(host[layer, :, first[layer]:].numel() * host.element_size()
+                                    for layer in range(self.cfg.layers))
+            return self.model.forward(tokens[p:], p, self.cache, self.table, before_attention=wait,
+                                      window_table=self.window_table(p)), p
         try:
             load_mode("bound", run)
         finally:
@@ -508,6 +560,7 @@ class Bench:
         except (kvhost.KvhostError, kvhost.ConnectionLost, TimeoutError) as e:
             failures.append(f"load failed: {e}")
             return
+        self.loaded_bytes = res.bytes
         if res.count(LOADED) != nkeys:
             failures.append(f"load: {res.count(LOADED)} of {nkeys} keys loaded ({res.outcomes()}; {res.message})")
 
@@ -585,6 +638,15 @@ class Bench:
         for mode in ("whole", "layerwise", "split", "llmd"):
             if mode in med and "recompute" in med:
                 ratios[f"{mode}/recompute"] = med[mode] / med["recompute"]
+        lw = m.get("layerwise", {}).get("loaded_bytes_reps")
+        if self.cfg.window and lw and m.get("whole", {}).get("loaded_bytes_reps"):
+            # What the window layers save: the connector's bytes against a
+            # load of every layer's whole prefix (whole) and the bound's.
+            whole = m["whole"]["loaded_bytes_reps"][-1]
+            ratios["layerwise_bytes/whole_bytes"] = lw[-1] / whole
+            bound = m.get("bound", {}).get("loaded_bytes_reps")
+            print(f"bytes P {p} S {s} layerwise {lw[-1]} whole {whole} layerwise/whole {lw[-1] / whole:.3f}"
+                  + (f" bound {bound[-1]}" if bound else ""), flush=True)
         if "split" in med:
             opt = rep.get("split_model", {})
             print(f"ratio P {p} S {s} split/recompute {ratios['split/recompute']:.2f} "
@@ -702,8 +764,9 @@ class Lookups:
         self.p = p
         self.pipe, child = ctx.Pipe()
         req = Request(f"lookups-{p}", conn._names(p, tokens), tokens)
+        kvc = (conn.group_names(), 2 * conn.bench.cfg.block_bytes, conn.bench.cfg.window) if conn.hybrid else None
         self.proc = ctx.Process(target=lookup_process, daemon=True,
-                                args=(child, conn.config(save=False, load_split="all"), req, n))
+                                args=(child, conn.config(save=False, load_split="all"), req, n, kvc))
         self.proc.start()
         child.close()
 
@@ -739,13 +802,13 @@ class Lookups:
         return out
 
 
-def lookup_process(pipe, config, req, n):
+def lookup_process(pipe, config, req, n, kvc=None):
     """The body of Lookups' process: a scheduler half of config, req's
     lookups timed, driven and answered through pipe."""
     try:
         from kvhost.vllm import connector
         sched = connector.connector_class(types.SimpleNamespace(KVConnectorBase_V1=None))(
-            None, "scheduler", config=config)
+            None, "scheduler", kv_cache_config=kv_cache_config(*kvc) if kvc else None, config=config)
         want, changed = None, 0
 
         def one():
@@ -799,18 +862,36 @@ class Connector:
         self.bench, self.socket, a = bench, socket, bench.a
         self.cls = connector.connector_class(types.SimpleNamespace(KVConnectorBase_V1=None))
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
+        self.hybrid = bool(bench.cfg.window)
         self.requests = 0
-        self.worker = self.cls(None, "worker", config=self.config())
+        self.worker = self.make("worker")
         self.worker.register_kv_caches({n: bench.cache[i] for i, n in enumerate(self.names)})
+
+    def group_names(self):
+        """The layer names of each KV-cache group: one group, or with
+        --window the full-attention (odd) layers and the window (even)
+        ones, as vLLM groups a gpt-oss-like model."""
+        if not self.hybrid:
+            return [self.names]
+        cfg = self.bench.cfg
+        return [[n for i, n in enumerate(self.names) if not cfg.windowed(i)],
+                [n for i, n in enumerate(self.names) if cfg.windowed(i)]]
+
+    def make(self, role, **extra):
+        """A connector half of role with extra options; with --window, given
+        vLLM's KVCacheConfig of the two groups (kv_cache_config)."""
+        kvc = kv_cache_config(self.group_names(), 2 * self.bench.cfg.block_bytes, self.bench.cfg.window) \
+            if self.hybrid else None
+        return self.cls(None, role, kv_cache_config=kvc, config=self.config(**extra))
 
     def config(self, **extra):
         """An object shaped like vLLM's OffloadingConfig (what the
         connector reads of it), with extra connector options."""
         ns, a, cfg = types.SimpleNamespace, self.bench.a, self.bench.cfg
-        return ns(model=ns(name=f"ttft-bench/random-llama-{a.layers}x{a.hidden}-seed{a.seed}", dtype="bfloat16"),
+        return ns(model=ns(name=f"ttft-bench/random-llama-{a.layers}x{a.hidden}-seed{a.seed}{model_suffix(a)}", dtype="bfloat16"),
                   parallel=ns(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                               is_parallelism_agnostic=False),
-                  groups=(ns(tokens_per_block=cfg.block_tokens, layer_names=tuple(self.names)),),
+                  groups=tuple(ns(tokens_per_block=cfg.block_tokens, layer_names=tuple(g)) for g in self.group_names()),
                   cache=ns(tokens_per_hash=cfg.block_tokens, blocks_per_chunk=a.tokens_per_key // cfg.block_tokens),
                   worker_kv_bytes_per_block=a.layers * 2 * cfg.block_bytes, engine_id="ttft-bench",
                   canonical_layout=False, replicated_layout=False,
@@ -821,7 +902,7 @@ class Connector:
     def scheduler(self, **extra):
         """A scheduler half that saves nothing (a timed request's suffix
         stays uncached: every repetition finds the same prefix)."""
-        return self.cls(None, "scheduler", config=self.config(save=False, **extra))
+        return self.make("scheduler", save=False, **extra)
 
     def _names(self, p, tokens):
         bt = self.bench.cfg.block_tokens
@@ -859,8 +940,10 @@ class Connector:
 
     @staticmethod
     def _output(req=None, blocks=(), computed=0, scheduled=0, finished=()):
+        """vLLM's SchedulerOutput of a step scheduling req, blocks per
+        KV-cache group (a tuple of lists)."""
         ns = types.SimpleNamespace
-        new = [] if req is None else [ns(req_id=req.request_id, block_ids=(list(blocks),),
+        new = [] if req is None else [ns(req_id=req.request_id, block_ids=tuple(list(b) for b in blocks),
                                          num_computed_tokens=computed)]
         return ns(scheduled_new_reqs=new, scheduled_cached_reqs=None,
                   num_scheduled_tokens={} if req is None else {req.request_id: scheduled},
@@ -869,13 +952,14 @@ class Connector:
     def save(self, p, blocks):
         """Saves the prefix of p tokens (in blocks, computed) through the
         save path, and returns once its stores ended."""
-        sched = self.cls(None, "scheduler", config=self.config())
+        sched = self.make("scheduler")
         try:
             req = Request(f"save-{p}", self._names(p, p), p)
             sched.get_num_new_matched_tokens(req, 0)
-            sched.update_state_after_alloc(req, blocks, 0)
-            self._step(sched, self._output(req, blocks, 0, p))
-            sched.request_finished(req, blocks)
+            groups = tuple(list(blocks) for _ in self.group_names())  # every group's blocks still held
+            sched.update_state_after_alloc(req, groups, 0)
+            self._step(sched, self._output(req, groups, 0, p))
+            self.finished(sched, req, groups)
             deadline = time.monotonic() + self.bench.a.job_timeout
             while req.request_id not in self._step(sched, self._output(), finished={req.request_id})[2]:
                 if time.monotonic() > deadline:
@@ -899,8 +983,12 @@ class Connector:
         def mark(name):
             phases[name] = round((time.perf_counter() - t0) * 1e3, 2)
         k, _ = sched.get_num_new_matched_tokens(req, 0)
-        sched.update_state_after_alloc(req, blocks, k)
+        # The window group holds vLLM's null block before the window of
+        # the tokens cached (what it frees): the load skips those.
+        groups = (blocks, b.window_list(k, len(blocks))) if self.hybrid else (blocks,)
+        sched.update_state_after_alloc(req, groups, k)
         mark("scheduled")
+        before_bytes = self.worker.counters().get("bytes_loaded", 0)
 
         def forward(before, after):
             def wait(i):
@@ -908,12 +996,14 @@ class Connector:
                     mark("first_wait")
                 before(i)
                 ready.append(round((time.perf_counter() - t0) * 1e3, 2))
-            out = b.model.forward(tokens[k:], k, b.cache, b.table, before_attention=wait, after_attention=after)
+            out = b.model.forward(tokens[k:], k, b.cache, b.table, before_attention=wait, after_attention=after,
+                                  window_table=b.window_table(k))
             mark("forward_issued")
             return out
-        logits, errors, _ = self._step(sched, self._output(req, blocks, k, n - k), forward, mark=mark)
-        sched.request_finished(req, blocks)
+        logits, errors, _ = self._step(sched, self._output(req, groups, k, n - k), forward, mark=mark)
+        self.finished(sched, req, groups)
         mark("finished")
+        b.loaded_bytes = self.worker.counters().get("bytes_loaded", 0) - before_bytes
         b.sync()
         mark("synchronized")
         b.layer_ready, b.phases = ready, phases
@@ -921,8 +1011,42 @@ class Connector:
             failures.append(f"the connector reported load errors in {len(errors)} blocks")
         return logits, k
 
+    def finished(self, sched, req, groups):
+        """vLLM's call when req finishes: request_finished_all_groups for a
+        model of several KV-cache groups (the connector is SupportsHMA),
+        request_finished otherwise."""
+        if self.hybrid:
+            return sched.request_finished_all_groups(req, groups)
+        return sched.request_finished(req, groups[0])
+
     def shutdown(self):
         self.worker.shutdown()
+
+
+class FullAttentionSpec:
+    """What the connector reads of vLLM's spec of that name: its page
+    size and dtype."""
+
+    def __init__(self, page):
+        self.page_size_bytes = self.real_page_size_bytes = page
+        self.dtype = "torch.bfloat16"
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    """What the connector reads of vLLM's SlidingWindowSpec."""
+
+    def __init__(self, page, window):
+        super().__init__(page)
+        self.sliding_window = window
+
+
+def kv_cache_config(groups, page, window):
+    """vLLM's KVCacheConfig of a gpt-oss-like model as the connector reads
+    it: a full-attention group and a sliding-window group (layer names
+    per group in groups)."""
+    ns = types.SimpleNamespace
+    specs = (FullAttentionSpec(page), SlidingWindowSpec(page, window))
+    return ns(kv_cache_groups=[ns(layer_names=list(names), kv_cache_spec=spec) for names, spec in zip(groups, specs)])
 
 
 def machine(a, bench):
@@ -962,7 +1086,9 @@ def main(argv=None):
             layerwise = (f"layer-range loads, {a.layers_per_load} layer(s) per job ({a.layer_groups})" if bench.layer_loads else
                          "one load job (no connector, or a daemon without layer-range loads)")
             print(f"detail: model {a.layers} layers hidden {a.hidden} heads {a.heads}/{a.kv_heads}x{a.head_dim} "
-                  f"mlp {a.mlp} vocab {a.vocab}; attention: {bench.model.attention.kind}; "
+                  f"mlp {a.mlp} vocab {a.vocab}"
+                  f"{f'; even layers a sliding window of {a.window} tokens' if a.window else ''}; "
+                  f"attention: {bench.model.attention.kind}; "
                   f"rms_norm: {bench.model.norm_kind}; layerwise: {layerwise}; "
                   f"reps {a.reps} (ms = median) after {a.warmup} warm-up; cold {a.cold}", flush=True)
             bench.report.update(machine=machine(a, bench), args=vars(a), layer_loads=bench.layer_loads,

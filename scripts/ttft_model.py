@@ -48,6 +48,12 @@ class Config:
     block_tokens: int = 16
     rope_theta: float = 500000.0
     eps: float = 1e-5
+    window: int = 0  # > 0: every even layer attends to this many tokens (a gpt-oss-like hybrid)
+
+    def windowed(self, layer):
+        """Whether layer attends to a sliding window (the even layers of a
+        hybrid, as gpt-oss alternates them; none where window is 0)."""
+        return self.window > 0 and layer % 2 == 0
 
     @property
     def block_bytes(self):
@@ -123,6 +129,21 @@ class Attention:
                             **({"enable_gqa": True} if self.gqa else {}))
         return out[0].transpose(0, 1).reshape(n, heads * d)
 
+    def masked(self, q, k, v, mask):
+        """q (n, heads, d), k and v (T, kv_heads, d), mask (n, T) booleans
+        (True: query i sees key j). Returns (n, heads * d)."""
+        n, heads, d = q.shape
+        q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if not self.gqa or self.sdpa is None:
+            rep = heads // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if self.sdpa is None:
+            scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
+            out = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
+        else:
+            out = self.sdpa(q, k, v, attn_mask=mask, **({"enable_gqa": True} if self.gqa else {}))
+        return out[0].transpose(0, 1).reshape(n, heads * d)
+
     @staticmethod
     def _mask(n, t, device):
         """(n, t) booleans: query i (position t-n+i) sees keys 0..t-n+i."""
@@ -184,7 +205,32 @@ class Model:
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    def forward(self, tokens, start, cache, table, before_attention=None, after_attention=None):
+    # Window layers' queries go through attention in chunks of this many,
+    # each over the keys its window reaches: the mask stays small.
+    WINDOW_QUERIES = 2048
+
+    def _window_attention(self, q, layer, table, start, end):
+        """Attention of the queries at start..end-1 over the keys of their
+        sliding windows (position p sees p - window + 1 .. p), read from
+        the blocks of table that hold them: blocks before the first window
+        may be vLLM's null block."""
+        c, n, w = self.cfg, end - start, self.cfg.window
+        out = []
+        for qs in range(0, n, self.WINDOW_QUERIES):
+            qe = min(n, qs + self.WINDOW_QUERIES)
+            first = max(0, start + qs - w + 1)  # the first key any of these queries sees
+            b0, b1 = first // c.block_tokens, (start + qe + c.block_tokens - 1) // c.block_tokens
+            k0 = b0 * c.block_tokens
+            blocks = table[b0:b1]
+            keys = layer[0, blocks].reshape(-1, c.kv_heads, c.head_dim)[:start + qe - k0]
+            values = layer[1, blocks].reshape(-1, c.kv_heads, c.head_dim)[:start + qe - k0]
+            pos = torch.arange(start + qs, start + qe, device=self.device)[:, None]
+            kpos = torch.arange(k0, start + qe, device=self.device)[None, :]
+            mask = (kpos <= pos) & (kpos > pos - w)
+            out.append(self.attention.masked(q[qs:qe], keys, values, mask))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def forward(self, tokens, start, cache, table, before_attention=None, after_attention=None, window_table=None):
         """Computes tokens (a 1-D LongTensor on the model's device) at
         positions start.. of a request whose block table is table (a 1-D
         LongTensor of block ids on the device, covering start +
@@ -193,7 +239,10 @@ class Model:
         before_attention(layer) right before a layer writes and reads the
         cache and after_attention(layer) right after (where vLLM's
         attention layers call wait_for_layer_load and save_kv_layer).
-        Returns the last token's logits (float32, on the device)."""
+        Window layers (cfg.windowed) use window_table where given (their
+        KV-cache group's blocks: vLLM's null block 0 before the window),
+        else table. Returns the last token's logits (float32, on the
+        device)."""
         c = self.cfg
         n = tokens.shape[0]
         end = start + n
@@ -213,11 +262,18 @@ class Model:
             if before_attention is not None:
                 before_attention(i)
             layer = cache[i]
-            layer[0, blocks, rows] = k
-            layer[1, blocks, rows] = v
-            keys = layer[0, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
-            values = layer[1, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
-            x = x + self.attention(q, keys, values) @ w["o"]
+            if c.windowed(i):
+                wt = table if window_table is None else window_table
+                wblocks = wt[pos // c.block_tokens]
+                layer[0, wblocks, rows] = k
+                layer[1, wblocks, rows] = v
+                x = x + self._window_attention(q, layer, wt, start, end) @ w["o"]
+            else:
+                layer[0, blocks, rows] = k
+                layer[1, blocks, rows] = v
+                keys = layer[0, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
+                values = layer[1, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
+                x = x + self.attention(q, keys, values) @ w["o"]
             if after_attention is not None:
                 after_attention(i)
             gate, up = (self._rms(x, w["ln2"]) @ w["gate_up"]).chunk(2, dim=-1)

@@ -103,6 +103,23 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(data["machine"]["rope"], "bf16 (cos and sin cast to bf16)")
         self.assertIn("rms_norm", data["machine"])
 
+    def test_a_sliding_window_hybrid_loads_only_the_window_of_its_window_layers(self):
+        # --window 24: layer 0 a sliding window of 24 tokens (one of the two
+        # 32-token keys), layer 1 full attention, in two KV-cache groups.
+        out, lines, data = self.bench("--window", "24", "--modes", "recompute,suffix,bound,whole,layerwise")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertEqual(sorted(lines), ["bound", "layerwise", "recompute", "suffix", "whole"], out.stdout)
+        for mode, m in lines.items():
+            self.assertEqual(m.group(6), "True", (mode, out.stdout))
+        modes = data["sizes"]["64"]["modes"]
+        self.assertEqual(modes["layerwise"]["loaded_tokens"], 64)
+        # Full attention loads both keys' blocks, the window layer the
+        # second key's only: 3 of 4 layer-keys, as the bound copies.
+        whole, layerwise = modes["whole"]["loaded_bytes_reps"][-1], modes["layerwise"]["loaded_bytes_reps"][-1]
+        self.assertEqual(layerwise * 4, whole * 3, (layerwise, whole))
+        self.assertEqual(modes["bound"]["loaded_bytes_reps"][-1], layerwise)
+        self.assertRegex(out.stdout, r"bytes P 64 S 16 layerwise \d+ whole \d+ layerwise/whole 0\.750")
+
     def test_llmd_mode_loads_the_prefix_through_the_engine_it_is_given(self):
         with tempfile.TemporaryDirectory() as mod:
             with open(os.path.join(mod, "storage_offload.py"), "w") as f:
