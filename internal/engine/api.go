@@ -685,7 +685,9 @@ type NamespaceStats struct {
 	Keys     int   // keys indexed
 	Bytes    int64 // the files' bytes, headers included
 	// Budget is the pattern of the budget that covers the namespace
-	// (Budget.Model; "" for none): its use is in Stats.Budgets.
+	// (Budget.Model; "" for none): its use is in Stats.Budgets. A
+	// namespace found on the mounts has one by the model id its model
+	// book names (docs/engine.md, "Byte budgets"), though Model is "".
 	Budget string
 }
 

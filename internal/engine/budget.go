@@ -199,7 +199,8 @@ func (r *budgetRound) floorNote() string {
 
 // budgetStats returns the use of each budget (Stats.Budgets) from counts
 // (index.Index.FingerprintCounts), and sets the Budget of each of nss
-// (Stats.Namespaces). It takes t.mu, shared.
+// (Stats.Namespaces), of a namespace no client declared since the start
+// by the model id the model books name. It takes t.mu, shared.
 func (t *tables) budgetStats(counts map[uint64]index.FPCount, nss []NamespaceStats) []BudgetStats {
 	s := t.budgets
 	if s == nil {
@@ -219,9 +220,14 @@ func (t *tables) budgetStats(counts map[uint64]index.FPCount, nss []NamespaceSta
 			out[i].Bytes += counts[ns.fp].Bytes
 		}
 	}
+	books := t.books
 	t.mu.RUnlock()
 	for j := range nss {
-		if i := s.match(nss[j].Model); nss[j].Model != "" && i >= 0 {
+		model := nss[j].Model
+		if model == "" {
+			model = books.model(nss[j].Fingerprint) // found at start: the books'
+		}
+		if i := s.match(model); model != "" && i >= 0 {
 			nss[j].Budget = s.list[i].Model
 		}
 	}

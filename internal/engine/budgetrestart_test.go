@@ -86,6 +86,15 @@ func TestABudgetFloorHoldsAcrossARestartBeforeItsClientDeclaresAgain(t *testing.
 			if got := e.ix.FingerprintCounts()[quiet.Fingerprint()].Files; got != quietKeys {
 				t.Fatalf("the restart found %d files of the quiet namespace, want %d", got, quietKeys)
 			}
+			wantBudget := "tenant/quiet"
+			if tc.lose {
+				wantBudget = ""
+			}
+			for _, ns := range e.Stats().Namespaces {
+				if ns.Fingerprint == quiet.Fingerprint() && (ns.Budget != wantBudget || ns.Model != "") {
+					t.Errorf("the quiet namespace found at start is listed %+v, want budget %q and no model id", ns, wantBudget)
+				}
+			}
 			store(e, "tenant/busy", "busy", busyKeys) // the quiet namespace's client not back yet
 			kept := e.ix.FingerprintCounts()[quiet.Fingerprint()].Files
 			if kept < tc.wantKept {
