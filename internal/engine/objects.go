@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"os"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
@@ -42,7 +45,9 @@ type Objects interface {
 	// (a client deleted the key). It must not block on the store.
 	Delete(fp uint64, key []byte)
 	// Mover moves the plans of the files Open returns into host memory,
-	// computing their checksums.
+	// computing their checksums. Memory the CPU cannot address (a GPU's)
+	// is loaded from a copy of the whole object in the daemon's memory,
+	// verified there, by the memory kind's mover of the first mount.
 	Mover() transfer.Mover
 }
 
@@ -98,10 +103,6 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 		obj.Bad(fp, key, err)
 		set(OutcomeFailed, err)
 	}
-	if c.kind != region.KindHost {
-		set(OutcomeFailed, fmt.Errorf("%w: key %x: the object mount serves host memory only, not %s", ErrInvalid, key, c.kind))
-		return
-	}
 	f, err := obj.Open(ctx, fp, key)
 	if err != nil {
 		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
@@ -136,6 +137,10 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 	}
 	want := make([]bool, len(h.Keys))
 	want[k] = true
+	if c.kind != region.KindHost {
+		e.loadObjectBounced(ctx, j, c, blocks[i], lr, i, f, h, k, want, bad)
+		return
+	}
 	by := verifyKeys
 	if !lr.all() && h.LayerSums != nil {
 		by = verifyLayers
@@ -170,13 +175,92 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 		}
 		return
 	}
-	set(OutcomeLoaded, nil)
+	e.objectLoaded(j, i, lr, sk.moved[k]+sk.skipped[k], sk.moved[k])
+}
+
+// objectLoaded sets key i of j loaded from the object mount and counts
+// it: read bytes read, moved of them into the blocks.
+func (e *Engine) objectLoaded(j *Job, i int, lr LayerRange, read, moved int64) {
+	j.res.Keys[i] = KeyResult{Outcome: OutcomeLoaded}
 	if lr.First == 0 {
 		e.st.hits.Add(1)
 	}
 	e.st.loads.Add(1)
-	e.st.read.Add(uint64(sk.moved[k] + sk.skipped[k]))
-	j.bytes.Add(sk.moved[k])
+	e.st.read.Add(uint64(read))
+	j.bytes.Add(moved)
+}
+
+// loadObjectBounced loads key k of the object open as f, whose header h
+// was checked, into blocks of c's memory that the CPU cannot address (a
+// GPU's): the whole object is read into a memory file of the daemon's,
+// the key verified there, and the memory kind's mover (of the first
+// mount) moves it from that file as from a file on tmpfs.
+func (e *Engine) loadObjectBounced(ctx context.Context, j *Job, c *cache, blocks []int, lr LayerRange, i int, f fsys.File, h *format.Header, k int, want []bool, bad func(error)) {
+	set := func(o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+	key := h.Keys[k].Key
+	mv, err := e.mounts[0].mover(c.kind)
+	if err != nil {
+		set(OutcomeFailed, err)
+		return
+	}
+	bf, mem, release, err := memoryFile("kvhost-object", h.FileLen())
+	if err != nil {
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	defer release()
+	io := e.busy.io.Begin()
+	defer e.busy.io.End(io)
+	n, err := f.ReadvAt([][]byte{mem}, 0)
+	if err == nil && int64(n) < h.FileLen() {
+		bad(fmt.Errorf("%w: object of key %x: %d bytes, the header says %d", ErrCorrupt, key, n, h.FileLen()))
+		return
+	}
+	if err != nil {
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	// Verified in the daemon's memory, which no client writes: a
+	// mismatch is the object's.
+	sums, err := recheck(ctx, bf, h, want)
+	if err != nil {
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	if sums[k] != h.Keys[k].Sum {
+		bad(fmt.Errorf("%w: object of key %x: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, key, sums[k], h.Keys[k].Sum))
+		return
+	}
+	plan, sk := c.plan(h, want, func(int) []int { return blocks }, &mount{mountFS: mountFS{memory: true}}, lr, verifyNone)
+	if _, err := mv.ReadFile(ctx, bf, plan, nil); err != nil {
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	e.objectLoaded(j, i, lr, h.FileLen(), sk.moved[k])
+}
+
+// memoryFile makes an anonymous memory file (memfd) of size bytes, open
+// read-write as an fsys.File and mapped shared as mem; release unmaps
+// and closes it.
+func memoryFile(name string, size int64) (f fsys.File, mem []byte, release func(), err error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("memfd_create: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, size); err != nil {
+		return nil, nil, nil, fmt.Errorf("ftruncate memfd: %w", err)
+	}
+	mem, err = unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("mmap memfd: %w", err)
+	}
+	f, err = fsys.OS{}.OpenFile(fmt.Sprintf("/proc/self/fd/%d", fd), os.O_RDWR, 0)
+	if err != nil {
+		unix.Munmap(mem)
+		return nil, nil, nil, err
+	}
+	return f, mem, func() { f.Close(); unix.Munmap(mem) }, nil
 }
 
 // readObjectHeader reads and decodes the header of an object open as f:

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -229,5 +230,57 @@ func TestDeleteRemovesTheKeysObject(t *testing.T) {
 	}
 	if n, _ := b.Lookup(context.Background(), nsB, keys[:1]); n != 0 {
 		t.Fatal("a deleted key is still a hit on another engine")
+	}
+}
+
+// TestObjectLoadsIntoDeviceMemoryThroughAVerifiedBounce: a key only the
+// object mount holds loads into a cache in device memory (the fake GPU
+// mover, which computes no checksums) with its bytes; a corrupted object
+// fails with ErrCorrupt, checked before the mover runs.
+func TestObjectLoadsIntoDeviceMemoryThroughAVerifiedBounce(t *testing.T) {
+	objs, _, _, keys, want := objectPair(t, "dev", 2)
+	mv := &fakeMover{}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs,
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const nb = 32
+	cid, dev := registerFakeDevice(t, e, ns, g, 91, nb)
+	into := [][]int{{3, 2, 1, 0}, {4, 5, 6, 7}}
+	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys, Blocks: into}))
+	wantOutcomes(t, "load into device memory", res, OutcomeLoaded)
+	bb := g.BlockBytes()
+	for i := range keys {
+		var got []byte
+		for l := range g.Layers {
+			for p := range 2 {
+				for _, b := range into[i] {
+					off := int64(l)*2*nb*bb + int64(p)*nb*bb + int64(b)*bb
+					got = append(got, dev.mem[off:off+bb]...)
+				}
+			}
+		}
+		if !bytes.Equal(got, want[i]) {
+			t.Fatalf("key %s: the device memory holds other bytes than stored", keys[i])
+		}
+	}
+	mv.mu.Lock()
+	plans := mv.plans
+	mv.mu.Unlock()
+	name := objName(g.Fingerprint(), keys[1])
+	objs.mu.Lock()
+	objs.objs[name][len(objs.objs[name])-1] ^= 1
+	objs.mu.Unlock()
+	res = wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys[1:], Blocks: into[1:]}))
+	if o, err := res.Keys[0].Outcome, res.Keys[0].Err; o != OutcomeFailed || !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("load of a corrupted object into device memory: %v (%v), want failed with ErrCorrupt", o, err)
+	}
+	mv.mu.Lock()
+	defer mv.mu.Unlock()
+	if mv.plans != plans {
+		t.Fatal("the mover moved a corrupted object's bytes")
 	}
 }
