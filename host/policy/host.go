@@ -228,6 +228,9 @@ func Open(ctx context.Context, module []byte, name string, idx Index, cfg Config
 		}
 		return startWasm(ctx, name, idx, cfg, b)
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	// The module loads on its own goroutine; the caller waits for it at
 	// most LoadTimeout, and gets a Host serving Interim after that.
 	loaded := make(chan loadResult, 1)
@@ -250,6 +253,9 @@ func Open(ctx context.Context, module []byte, name string, idx Index, cfg Config
 			return nil, res.err
 		}
 		return startWasm(ctx, name, idx, cfg, res.b)
+	case <-ctx.Done():
+		go closeLoaded(ctx, loaded)
+		return nil, ctx.Err()
 	case <-timer.C:
 	}
 	interim := cfg.InterimName
@@ -264,17 +270,21 @@ func Open(ctx context.Context, module []byte, name string, idx Index, cfg Config
 		err = h.serve(ctx, newNativeBackend(cfg.Interim, name+"/"+interim, h.log), h.interimCfg)
 	}
 	if err != nil {
-		go func() {
-			if res := <-loaded; res.b != nil {
-				_ = res.b.close(context.WithoutCancel(ctx))
-			}
-		}()
+		go closeLoaded(ctx, loaded)
 		return nil, err
 	}
 	h.mu.loading, h.loaded = true, make(chan struct{})
 	h.log.Info("policy: serving the interim policy while the module loads", "interim", interim, "waited", cfg.LoadTimeout.String())
 	go h.upgrade(ctx, loaded, begin)
 	return h, nil
+}
+
+// closeLoaded closes the module loaded for a Host that Open did not
+// return, once it has loaded.
+func closeLoaded(ctx context.Context, loaded <-chan loadResult) {
+	if res := <-loaded; res.b != nil {
+		_ = res.b.close(context.WithoutCancel(ctx))
+	}
 }
 
 // loadResult is a module loaded for a Host, or why it did not load.

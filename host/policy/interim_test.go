@@ -141,3 +141,16 @@ func TestInterimParamsRefusedFailOpen(t *testing.T) {
 		t.Fatalf("Open: %v; want the interim's kvhost_init refusal", err)
 	}
 }
+
+// TestOpenGivesUpWhenItsCallerDoes checks that Open, waiting for a module
+// within LoadTimeout, returns its caller's context error once the caller
+// gives up, rather than waiting out the timeout.
+func TestOpenGivesUpWhenItsCallerDoes(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	cfg := interimConfig()
+	cfg.LoadTimeout = time.Hour
+	if _, err := policy.Open(ctx, fixture(t, "wellbehaved"), "wellbehaved", policytest.NewIndex(), cfg); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Open with a cancelled context: %v; want context.Canceled", err)
+	}
+}
