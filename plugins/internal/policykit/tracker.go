@@ -168,8 +168,8 @@ func (t *Tracker) Hit(i int32, now uint64) error {
 	if e.Hits != ^uint32(0) {
 		e.Hits++
 	}
-	if t.classOf(e) != uint32(e.Class) {
-		return t.place(i, true, old)
+	if c := t.classOf(e); c != uint32(e.Class) {
+		return t.placeIn(i, c, true, old)
 	}
 	t.Lists[e.Class].Touch(&t.Pool, i, old)
 	return nil
@@ -222,8 +222,12 @@ func (t *Tracker) learn(r *abi.AccessRecord) (i int32, created bool) {
 // the Time old). A new entry of a class beyond MaxClasses is forgotten; a
 // known one stays in its class.
 func (t *Tracker) place(i int32, listed bool, old uint64) error {
+	return t.placeIn(i, t.class(t.Pool.At(i)), listed, old)
+}
+
+// placeIn is place with the entry's class c already asked.
+func (t *Tracker) placeIn(i int32, c uint32, listed bool, old uint64) error {
 	e := t.Pool.At(i)
-	c := t.class(e)
 	if listed && c == uint32(e.Class) {
 		t.Lists[c].Touch(&t.Pool, i, old)
 		return nil
