@@ -211,9 +211,11 @@ class Shape:
         self.heads = a.kv_heads // a.ranks
         self.plane = BLOCK_TOKENS * self.heads * a.head_dim * 2  # one plane (K or V) of one block, one layer
         self.bpk = a.tokens_per_key // BLOCK_TOKENS
-        self.num_blocks = 2 * a.keys * self.bpk + 1  # sources, destinations and one spare block
+        # Block 0 (vLLM's null block, never a request's, which the connector
+        # does not save), sources, destinations and one spare block.
+        self.num_blocks = 2 * a.keys * self.bpk + 2
         self.key_bytes = a.layers * 2 * self.bpk * self.plane
-        perm = list(range(2 * a.keys * self.bpk))
+        perm = list(range(1, 2 * a.keys * self.bpk + 1))
         random.Random(a.seed).shuffle(perm)
         n = a.keys * self.bpk
         self.src = [perm[i * self.bpk:(i + 1) * self.bpk] for i in range(a.keys)]
