@@ -5,6 +5,8 @@ import (
 	"context"
 	"log/slog"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -157,5 +159,29 @@ func TestClusterAForgedCutOffEvictsNothing(t *testing.T) {
 	}
 	if n := lines.count("refused", path, "field=cut"); n != 1 {
 		t.Errorf("%d warnings name %s and refuse its cut, want one", n, path)
+	}
+}
+
+// TestClusterASummaryThatDoesNotDecodeOfANodeWithNoLockFileStopsNothing
+// (issue 94, item 1): a file that does not decode lies at node X's
+// summary name, fresh, and X has no lock file (no node runs under its
+// name: a running node locks its file before it first publishes). Node
+// A, bound 8 files, started beside it, stores 12 keys: all stored within
+// the bound. On the code before, a summary A could not use of a node
+// that might run stopped A's claim from growing: A stored none.
+func TestClusterASummaryThatDoesNotDecodeOfANodeWithNoLockFileStopsNothing(t *testing.T) {
+	file := oneFileBytes(t)
+	capacity := 8 * file
+	dir := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(dir, clustercap.DirName), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, clustercap.DirName, "x.summary"), []byte("{not a summary"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: time.Hour}}, NodeID: "a"})
+	a.e.mounts[0].cluster.Tick(context.Background())
+	if got := storeWithinBound(t, a, dir, "a", 12, capacity, rand.New(rand.NewPCG(94, 10))); got != 12 {
+		t.Errorf("A stored %d of 12 keys beside a summary that does not decode of a node with no lock file, want all", got)
 	}
 }

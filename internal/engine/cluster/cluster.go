@@ -1069,7 +1069,9 @@ func (c *Mount) retire(dead map[uint32]bool, names map[uint32]string, stood map[
 }
 
 // readBad handles the summaries of bad (ReadAll's *SummaryErrors) of
-// nodes not in read (those have a last summary standing in). A node whose
+// nodes not in read (those have a last summary standing in). A node with
+// no lock file on the mount is dead at once (a node locks its file before
+// it first publishes: a stray or forged file). A node whose
 // summary does not decode is dead once the file is as stale as Live asks
 // of a summary (StaleIntervals of this mount's interval, by the file's
 // modification time; an unknown time is not stale) and its lock is free:
@@ -1101,7 +1103,13 @@ func (c *Mount) readBad(bad []error, read map[string]bool, now int64, adopt func
 			continue
 		}
 		live := true // no modification time: no sign it stopped
-		if !se.ModTime.IsZero() {
+		switch {
+		case c.dir.LockMissing(se.Node):
+			// No lock file: no node runs under the name (a node locks its
+			// file before it first publishes, and again at each interval
+			// where it went): a stray or forged file, dead at once.
+			live = false
+		case !se.ModTime.IsZero():
 			var perr error
 			if live, perr = clustercap.LiveAt(se.Node, se.ModTime.UnixNano(), int64(c.interval), now, c.dir.LockFree); perr != nil {
 				c.Log.Warn("engine: cluster lock probe", "mount", c.Root, "node", se.Node, "err", perr)
