@@ -14,10 +14,20 @@
 // The bound is agreed (agree, clustercap.Agree): the smallest capacity a
 // running node configures, read from the summaries at every read. Those
 // summaries are checked there too: a claim beyond the bound is ignored
-// (unless its node's lock is held), a peer counts at least its files this
-// node saw lately, files of no summary's tag count once as untagged, and
-// peers of another policy or rank scale are named. Each tick checks the
-// summary under this node's name (checkOwn) before it publishes its own.
+// (unless its node's lock is held), a capacity, untagged bytes or a
+// cut-off counts only from a node whose lock is held, and a capacity only
+// above a floor (checkFields), a summary whose node has no lock file
+// claims nothing (checkClaims), a peer counts at least its files this
+// node saw lately, files of no summary's tag count once as untagged (as
+// this node's index and its census of the mount find them: census.go),
+// and peers of another policy or rank scale are named. Each tick checks
+// the summary under this node's name (checkOwn) before it publishes its
+// own.
+//
+// Fair shares: a node below its share of the bound whose store does not
+// fit asks the room (its published claim) and waits for the nodes above
+// theirs to evict down, which they do at their next claim raise or tick
+// (Reserve, Tick).
 //
 // Ranks come from the policy (Host.Rank): comparable across nodes, lower
 // evicted first. An entry the policy does not rank (a plugin without the
