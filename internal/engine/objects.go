@@ -8,8 +8,6 @@ import (
 	"io/fs"
 	"os"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/region"
@@ -71,6 +69,9 @@ func (e *Engine) publishedObject(h *format.Header, path string) {
 // objectsOnly returns how many of keys (a set) of ns the object mount
 // holds and no file does (Delete counts them as removed).
 func (e *Engine) objectsOnly(ns *namespace, keys map[string]bool) int {
+	if e.cfg.Objects == nil {
+		return 0
+	}
 	n := 0
 	for k := range keys {
 		if e.find(ns, []byte(k)) == nil && e.hasObject(ns, []byte(k)) {
@@ -84,6 +85,9 @@ func (e *Engine) objectsOnly(ns *namespace, keys map[string]bool) int {
 // set) of ns that no file holds after a Delete: a key a client pin kept
 // keeps its object too.
 func (e *Engine) deleteObjects(ns *namespace, keys map[string]bool) {
+	if e.cfg.Objects == nil {
+		return
+	}
 	for k := range keys {
 		if e.find(ns, []byte(k)) == nil && e.hasObject(ns, []byte(k)) {
 			e.cfg.Objects.Delete(ns.fp, []byte(k))
@@ -239,28 +243,20 @@ func (e *Engine) loadObjectBounced(ctx context.Context, j *Job, c *cache, blocks
 	e.objectLoaded(j, i, lr, h.FileLen(), sk.moved[k])
 }
 
-// memoryFile makes an anonymous memory file (memfd) of size bytes, open
-// read-write as an fsys.File and mapped shared as mem; release unmaps
-// and closes it.
+// memoryFile makes an anonymous memory file (a memfd region) of size
+// bytes, open read-write as an fsys.File and mapped as mem; release
+// closes both.
 func memoryFile(name string, size int64) (f fsys.File, mem []byte, release func(), err error) {
-	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
+	h, err := region.NewHost(name, size)
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("memfd_create: %w", err)
-	}
-	defer unix.Close(fd)
-	if err := unix.Ftruncate(fd, size); err != nil {
-		return nil, nil, nil, fmt.Errorf("ftruncate memfd: %w", err)
-	}
-	mem, err = unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("mmap memfd: %w", err)
-	}
-	f, err = fsys.OS{}.OpenFile(fmt.Sprintf("/proc/self/fd/%d", fd), os.O_RDWR, 0)
-	if err != nil {
-		unix.Munmap(mem)
 		return nil, nil, nil, err
 	}
-	return f, mem, func() { f.Close(); unix.Munmap(mem) }, nil
+	f, err = fsys.OS{}.OpenFile(fmt.Sprintf("/proc/self/fd/%d", h.Fd()), os.O_RDWR, 0)
+	if err != nil {
+		h.Close()
+		return nil, nil, nil, err
+	}
+	return f, h.Bytes(), func() { f.Close(); h.Close() }, nil
 }
 
 // readObjectHeader reads and decodes the header of an object open as f:
