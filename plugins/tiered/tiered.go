@@ -187,21 +187,20 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 	t := p.track
 	for i := range recs {
 		r := &recs[i]
-		slot, ok := t.Pool.Lookup(r.Entry)
+		var slot int32
+		var ok bool
 		if r.Kind == abi.AccessHit {
 			// The commonest record: one lookup, the Tracker's hit path
 			// (a hit keeps the mount, so the list).
-			if !ok {
-				continue
-			}
-			t.Touch(slot, r.Time)
+			slot, ok = t.TouchEntry(r.Entry, r.Time)
 		} else {
 			if err := t.Apply(r); err != nil {
 				return err
 			}
-			if slot, ok = t.Pool.Lookup(r.Entry); !ok {
-				continue
-			}
+			slot, ok = t.Pool.Lookup(r.Entry)
+		}
+		if !ok {
+			continue
 		}
 		for int(slot) >= len(p.win) {
 			p.win = append(p.win, hitWindow{})

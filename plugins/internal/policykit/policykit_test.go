@@ -175,7 +175,7 @@ func TestListAgainstASortedSlice(t *testing.T) {
 				case 1:
 					p.At(i).Time = min(old+rng.Uint64N(3), span-1)
 				case 2:
-					// A hit: to the back's time or later (moveBack).
+					// A hit: to the back's time or later (TouchBack).
 					if len(ref) > 0 {
 						p.At(i).Time = max(old, p.At(ref[len(ref)-1]).Time+rng.Uint64N(2))
 					}

@@ -209,7 +209,7 @@ func (l *List) Touch(p *Pool, i int32, old uint64) {
 				return
 			}
 		} else {
-			l.moveBack(p, i)
+			l.TouchBack(p, i, old)
 			return
 		}
 	}
@@ -217,13 +217,21 @@ func (l *List) Touch(p *Pool, i int32, old uint64) {
 	l.Insert(p, i)
 }
 
-// moveBack moves slot i, on l and not its back, to the back: Remove then
-// Insert of an entry whose Time is not before the back's (a hit, the
-// commonest record), with rotateUp's work inline where it rotates up,
-// since in a Go guest each call costs tens of wasm instructions.
-func (l *List) moveBack(p *Pool, i int32) {
+// TouchBack is Touch for an entry whose Time did not go down from old (a
+// hit, the commonest record): one that is now not before the back's
+// moves to the back in this function (Remove then Insert, with
+// rotateUp's work inline where it rotates up), since in a Go guest each
+// call costs tens of wasm instructions; another goes through Touch.
+func (l *List) TouchBack(p *Pool, i int32, old uint64) {
 	e := p.entries
 	x := &e[i]
+	if i == l.tail {
+		return
+	}
+	if e[l.tail].Time > x.Time {
+		l.Touch(p, i, old)
+		return
+	}
 	// Unlink i: rotate it down below the child of higher priority until
 	// it has at most one child, then put that child in its place.
 	for x.left != none && x.right != none {

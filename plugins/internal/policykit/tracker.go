@@ -84,7 +84,11 @@ func (t *Tracker) ApplyAll(recs []abi.AccessRecord) error {
 			switch {
 			case !ok:
 			case t.classOf == nil || t.byMount:
-				t.Touch(j, r.Time)
+				e := &t.Pool.entries[j]
+				old := e.Time
+				e.Time = max(old, r.Time)
+				e.Hits += b2u(e.Hits != ^uint32(0))
+				t.Lists[e.Class].TouchBack(&t.Pool, j, old)
 			default:
 				if err := t.Hit(j, r.Time); err != nil {
 					return err
@@ -180,22 +184,38 @@ func (t *Tracker) Hit(i int32, now uint64) error {
 // on its level): no call of the class function, and the move to the back
 // of the list, the commonest, without further calls.
 func (t *Tracker) Touch(i int32, now uint64) {
-	p := &t.Pool
-	e := &p.entries[i]
+	e := &t.Pool.entries[i]
 	old := e.Time
-	tm := max(old, now)
-	e.Time = tm
-	if e.Hits != ^uint32(0) {
-		e.Hits++
+	e.Time = max(old, now)
+	e.Hits += b2u(e.Hits != ^uint32(0))
+	t.Lists[e.Class].TouchBack(&t.Pool, i, old)
+}
+
+// TouchEntry is Touch of the entry id, looked up in the same call; it
+// returns the entry's slot, and false (changing nothing) for an entry
+// the Tracker does not know: a HIT for a policy that looks at each
+// record itself (tiered), with one call fewer than Lookup and Touch.
+func (t *Tracker) TouchEntry(id, now uint64) (int32, bool) {
+	i, ok := t.Pool.index.Get(id)
+	if ok {
+		e := &t.Pool.entries[i] // Touch, inline
+		old := e.Time
+		e.Time = max(old, now)
+		e.Hits += b2u(e.Hits != ^uint32(0))
+		t.Lists[e.Class].TouchBack(&t.Pool, i, old)
 	}
-	l := &t.Lists[e.Class]
-	switch {
-	case i == l.tail:
-	case p.entries[l.tail].Time <= tm:
-		l.moveBack(p, i)
-	default:
-		l.Touch(p, i, old)
+	return i, ok
+}
+
+// b2u is 1 for true, 0 for false: a hit count that saturates without a
+// branch (Go's wasm code takes a jump through its function's dispatch
+// for each).
+func b2u(b bool) uint32 {
+	var u uint32
+	if b {
+		u = 1
 	}
+	return u
 }
 
 // checkMount refuses an insert or restore on a mount an Entry cannot hold.
