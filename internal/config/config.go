@@ -551,6 +551,10 @@ func Default() Config {
 		},
 		Engine: Engine{StagingMemory: 256 << 20, YieldBytes: 1 << 20, VerifyInterval: Duration(time.Second), RestartHold: Duration(10 * time.Second)},
 		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: DefaultHighWatermark, LowWatermark: DefaultLowWatermark}},
+		// Off without an endpoint; these apply once one is set
+		// (objstore's defaults).
+		Objects: Objects{Region: "us-east-1", RequestTimeout: Duration(30 * time.Second), PartSize: 16 << 20, RangeSize: 4 << 20,
+			Requests: 32, Uploads: 4, ListInterval: Duration(30 * time.Second)},
 	}
 }
 
