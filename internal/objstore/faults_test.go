@@ -172,7 +172,11 @@ func TestRGWKilledMidPutPublishesNoHalfObject(t *testing.T) {
 func TestFullBucketFailsUploadsAndKeepsWhatItHas(t *testing.T) {
 	cfg := rgwConfig(t)
 	rgwCtl(t, "start-rgw")
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	// One upload at a time: parts of concurrent uploads would each find
+	// room for themselves, and then none for the whole.
+	one := cfg
+	one.Uploads, one.Requests = 1, 1
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), one)
 	rgwCtl(t, "bucket-quota", cfg.Bucket, "12582912") // 12 MiB: one object of 8 MiB
 	r := newRand(13)
 	fill(r, a.mem)
