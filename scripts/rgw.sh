@@ -35,7 +35,7 @@ set -euo pipefail
 # cephfs.sh's functions, not its commands (it returns when sourced).
 # shellcheck source=scripts/cephfs.sh
 . "$(dirname "$0")/cephfs.sh"
-PACKAGES=(ceph-mon ceph-osd ceph-common radosgw)
+PACKAGES=(ceph-mon ceph-osd ceph-common radosgw curl)
 FS=RGW
 RUN_PREFIX=kvhost-rgw
 RUN_NODES=1 # run takes no N
