@@ -232,6 +232,7 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 	}
 	checkDisjointMounts(rep, answering)
 	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts, func(i int) bool { return !hung[i] && o.onMemoryFS(ctx, mounts[i].Path) })
+	checkObjects(ctx, rep, o.cfg.Objects)
 	if g := o.cfg.Server.SocketGroup; g != "" {
 		if _, err := server.LookupGroup(g); err != nil {
 			rep.add(levelFail, "server", fmt.Sprintf("server.socket_group %q: no such group on this machine (%v): the daemon would not start", g, errors.Unwrap(err)),
@@ -241,6 +242,26 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 		}
 	}
 	return rep
+}
+
+// checkObjects opens the object mount as the daemon would (docs/object.md)
+// and reports the bucket it reached, with the keys a listing found there,
+// or why it could not: the daemon would not start.
+func checkObjects(ctx context.Context, rep *checkReport, o config.Objects) {
+	if o.Endpoint == "" {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Duration(o.RequestTimeout)+5*time.Second)
+	defer cancel()
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	st, err := kvdaemon.OpenObjects(ctx, o, quiet)
+	if err != nil {
+		rep.add(levelFail, "objects", fmt.Sprintf("%v: the daemon would not start", err),
+			"check objects.endpoint and objects.bucket, and the keys (objects.access_key or $KVHOST_S3_ACCESS_KEY, objects.secret_key_file or $KVHOST_S3_SECRET_KEY)")
+		return
+	}
+	defer st.Close()
+	rep.add(levelOK, "objects", fmt.Sprintf("bucket %s at %s: %d keys under prefix %q", o.Bucket, o.Endpoint, st.Stats().Objects, o.Prefix), "")
 }
 
 // checkGPU reports the CUDA runtime, the driver and the devices; it

@@ -796,3 +796,25 @@ func TestCheckFailsAMountOnAKernelInterface(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckFailsAnObjectMountItCannotReach: an [objects] endpoint that
+// refuses connections is a FAIL naming the bucket and the endpoint, as
+// the daemon would not start, within its request timeout.
+func TestCheckFailsAnObjectMountItCannotReach(t *testing.T) {
+	dir := t.TempDir()
+	t.Setenv("KVHOST_S3_ACCESS_KEY", "test-access")
+	t.Setenv("KVHOST_S3_SECRET_KEY", "test-secret")
+	cfg := filepath.Join(dir, "kvhost.toml")
+	body := "[[mount]]\npath = \"" + dir + "\"\n\n[objects]\nendpoint = \"http://127.0.0.1:1\"\nbucket = \"kv\"\nrequest_timeout = \"2s\"\n"
+	if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	code, out := runCheckCmd(t, "--config", cfg)
+	if code != 1 || !strings.Contains(out, "FAIL  objects") || !strings.Contains(out, "bucket kv at http://127.0.0.1:1") {
+		t.Fatalf("exit %d; want 1 with a FAIL line naming the bucket and the endpoint:\n%s", code, out)
+	}
+	if d := time.Since(start); d > 30*time.Second {
+		t.Fatalf("check took %v against a refused endpoint", d)
+	}
+}
