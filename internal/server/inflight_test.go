@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -66,17 +67,22 @@ func (k *wideCache) store(ctx context.Context, name string, i int) (int64, error
 	return held, err
 }
 
-// gate holds every open and write of the engine's files while armed, until
-// it is opened, and then fails them: the stores that reach them stay in
-// flight, those behind them wait for the I/O workers, and once the gate
-// opens they all end at once, writing nothing.
+// gate holds every open and write of the engine's data files while armed,
+// until it is opened, and then fails them: the stores that reach them stay
+// in flight, those behind them wait for the I/O workers, and once the gate
+// opens they all end at once, writing nothing. The mounts' model books
+// (.models-NODE, appended when a namespace is first declared) pass: a
+// declaration is not a job in flight.
 type gate struct {
 	armed    atomic.Bool
 	once     sync.Once
 	released chan struct{}
 }
 
-func (g *gate) Inject(op fsys.Op, _ string) fsys.Fault {
+func (g *gate) Inject(op fsys.Op, path string) fsys.Fault {
+	if strings.Contains(filepath.Base(path), ".models-") {
+		return fsys.Fault{}
+	}
 	if g.armed.Load() && (op == fsys.OpOpen || op == fsys.OpWrite) {
 		<-g.released
 		return fsys.Fault{Err: syscall.EIO}
