@@ -56,13 +56,6 @@ func (en *Entry) Marks() Marks {
 	return Marks{Gone: en.gone, Held: en.held, Orphan: en.orphan, Last: en.Last}
 }
 
-// Block takes the index's write lock and returns the function that lets
-// it go: a test stands for an operation that holds it.
-func (ix *Index) Block() (release func()) {
-	ix.mu.Lock()
-	return ix.mu.Unlock
-}
-
 // Forget drops en from the index, its file left on disk unknown, as when
 // another file took its keys.
 func (ix *Index) Forget(en *Entry) {
