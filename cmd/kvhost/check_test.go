@@ -799,7 +799,7 @@ func TestCheckFailsAMountOnAKernelInterface(t *testing.T) {
 
 // TestCheckFailsAnObjectMountItCannotReach: an [objects] endpoint that
 // refuses connections is a FAIL naming the bucket and the endpoint, as
-// the daemon would not start, within its request timeout.
+// the daemon would not start.
 func TestCheckFailsAnObjectMountItCannotReach(t *testing.T) {
 	dir := t.TempDir()
 	t.Setenv("KVHOST_S3_ACCESS_KEY", "test-access")
@@ -809,12 +809,8 @@ func TestCheckFailsAnObjectMountItCannotReach(t *testing.T) {
 	if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	start := time.Now()
 	code, out := runCheckCmd(t, "--config", cfg)
 	if code != 1 || !strings.Contains(out, "FAIL  objects") || !strings.Contains(out, "bucket kv at http://127.0.0.1:1") {
 		t.Fatalf("exit %d; want 1 with a FAIL line naming the bucket and the endpoint:\n%s", code, out)
-	}
-	if d := time.Since(start); d > 30*time.Second {
-		t.Fatalf("check took %v against a refused endpoint", d)
 	}
 }
