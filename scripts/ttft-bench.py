@@ -111,6 +111,7 @@ import torch  # noqa: E402
 
 import kvhost  # noqa: E402
 from kvhost import memory  # noqa: E402
+import vllm_specs  # noqa: E402  (client/python/tests: vLLM's specs stood in for)
 from ttft_model import Config, Model  # noqa: E402
 
 TOL = 0.05  # logits: ||a - ref||_2 <= TOL * ||ref||_2 (bf16 through every layer)
@@ -808,7 +809,7 @@ def lookup_process(pipe, config, req, n, kvc=None):
     try:
         from kvhost.vllm import connector
         sched = connector.connector_class(types.SimpleNamespace(KVConnectorBase_V1=None))(
-            None, "scheduler", kv_cache_config=kv_cache_config(*kvc) if kvc else None, config=config)
+            None, "scheduler", kv_cache_config=hybrid_kv_cache_config(*kvc) if kvc else None, config=config)
         want, changed = None, 0
 
         def one():
@@ -880,7 +881,7 @@ class Connector:
     def make(self, role, **extra):
         """A connector half of role with extra options; with --window, given
         vLLM's KVCacheConfig of the two groups (kv_cache_config)."""
-        kvc = kv_cache_config(self.group_names(), 2 * self.bench.cfg.block_bytes, self.bench.cfg.window) \
+        kvc = hybrid_kv_cache_config(self.group_names(), 2 * self.bench.cfg.block_bytes, self.bench.cfg.window) \
             if self.hybrid else None
         return self.cls(None, role, kv_cache_config=kvc, config=self.config(**extra))
 
@@ -1023,30 +1024,12 @@ class Connector:
         self.worker.shutdown()
 
 
-class FullAttentionSpec:
-    """What the connector reads of vLLM's spec of that name: its page
-    size and dtype."""
-
-    def __init__(self, page):
-        self.page_size_bytes = self.real_page_size_bytes = page
-        self.dtype = "torch.bfloat16"
-
-
-class SlidingWindowSpec(FullAttentionSpec):
-    """What the connector reads of vLLM's SlidingWindowSpec."""
-
-    def __init__(self, page, window):
-        super().__init__(page)
-        self.sliding_window = window
-
-
-def kv_cache_config(groups, page, window):
+def hybrid_kv_cache_config(groups, page, window):
     """vLLM's KVCacheConfig of a gpt-oss-like model as the connector reads
     it: a full-attention group and a sliding-window group (layer names
     per group in groups)."""
-    ns = types.SimpleNamespace
-    specs = (FullAttentionSpec(page), SlidingWindowSpec(page, window))
-    return ns(kv_cache_groups=[ns(layer_names=list(names), kv_cache_spec=spec) for names, spec in zip(groups, specs)])
+    return vllm_specs.kv_cache_config(zip(groups, (vllm_specs.FullAttentionSpec(page),
+                                                   vllm_specs.SlidingWindowSpec(page, window))))
 
 
 def machine(a, bench):

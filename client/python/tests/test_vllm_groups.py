@@ -18,6 +18,7 @@ from kvhost import protocol as p  # noqa: E402
 from kvhost.vllm import _conn_groups as G  # noqa: E402
 from kvhost.vllm import connector as C  # noqa: E402
 from test_vllm_connector import BLOCK, NAMES, PAGE, offloading_config  # noqa: E402
+from vllm_specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec, kv_cache_config  # noqa: E402
 
 BPC = 2
 CHUNK = BPC * BLOCK
@@ -119,31 +120,6 @@ class Stages(unittest.TestCase):
 # -- a hybrid model's round trip without vLLM -----------------------------------------
 
 
-class FullAttentionSpec:
-    """A stand-in of vLLM's spec of that name (the connector reads a spec's
-    class names, page size, window and dtype)."""
-
-    def __init__(self, page):
-        self.page_size_bytes = self.real_page_size_bytes = page
-        self.dtype = "torch.bfloat16"
-
-
-class SlidingWindowSpec(FullAttentionSpec):
-    """A stand-in of vLLM's SlidingWindowSpec."""
-
-    def __init__(self, page, window):
-        super().__init__(page)
-        self.sliding_window = window
-
-
-class MambaSpec:
-    """A stand-in of vLLM's MambaSpec: a page of states per block."""
-
-    def __init__(self, page):
-        self.page_size_bytes = page
-        self.dtypes = ("torch.bfloat16", "torch.bfloat16")
-
-
 HYBRID = {"full": ["f.0", "f.1"], "window": ["w.0", "w.1"], "state": ["m.0"]}
 WINDOW = BLOCK + 1
 STATE_PAGE = 6144  # a conv state of 2,048 bytes and an SSM state of 4,096
@@ -175,8 +151,7 @@ class HybridWithoutVLLM(unittest.TestCase):
         cfg = offloading_config(self.daemon.socket, load_split="all", **extra)
         cfg.groups = tuple(type(cfg.groups[0])(tokens_per_block=BLOCK, layer_names=tuple(n)) for n in HYBRID.values())
         specs = [FullAttentionSpec(PAGE), SlidingWindowSpec(PAGE, WINDOW), MambaSpec(STATE_PAGE)]
-        kvc = dc.NS(kv_cache_groups=[dc.NS(layer_names=list(n), kv_cache_spec=s)
-                                     for n, s in zip(HYBRID.values(), specs)])
+        kvc = kv_cache_config(zip(HYBRID.values(), specs))
         sched = self.Connector(None, "scheduler", kv_cache_config=kvc, config=cfg)
         self.closers.append(sched.shutdown)
         worker = self.Connector(None, "worker", kv_cache_config=kvc, config=cfg)
