@@ -39,7 +39,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			byEntry[en]++
 		}
 	}
-	removed := e.objectsOnly(n, seen) // counted, and removed below
+	removed := len(e.objs.only(n, seen)) // counted, and removed below
 	for _, en := range order {
 		if err := ctx.Err(); err != nil {
 			return removed, err
@@ -50,7 +50,9 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			removed += byEntry[en]
 		}
 	}
-	e.deleteObjects(n, seen)
+	// The objects of the keys no file holds now: a key a client pin kept
+	// keeps its object too.
+	e.objs.remove(n, e.objs.only(n, seen))
 	if removed > 0 {
 		e.maker.room() // room for spares made ahead
 	}

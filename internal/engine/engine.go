@@ -79,8 +79,9 @@ type Engine struct {
 	// orphans, spares (package space).
 	space *space.Space
 
-	busy inFlight // the jobs, calls and file operations in flight; Close's wait for them
-	st   counters // what the engine counts, for Stats and tests
+	busy inFlight   // the jobs, calls and file operations in flight; Close's wait for them
+	st   counters   // what the engine counts, for Stats and tests
+	objs objectTier // the object mount's keys (Config.Objects)
 
 	pinTab     pinTable     // client pins and the files they hold open (pins.go, pinfiles.go)
 	hold       *restartHold // the files found at start, pinned for Config.RestartHold (hold.go)
@@ -274,6 +275,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
+	e.objs = objectTier{objs: cfg.Objects, find: e.find, st: &e.st, io: &e.busy.io, log: cfg.Logger, mounts: e.mounts}
 	e.own.openOwners(e.mounts, e.watch.spareEligible) // before the walk, which keeps live owners' spares
 	// The cluster locks before the walk too: an adopter of this node's
 	// files then lets go of them (openCluster).

@@ -63,7 +63,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 				en, pinned = e.ix.PinFound(en, k, dup, e.cfg.Now().UnixNano(), &pins)
 			}
 		}
-		if !pinned && en == nil && e.hasObject(ns, k) {
+		if !pinned && en == nil && e.objs.has(ns, k) {
 			objs = append(objs, i) // in the object mount (objects.go)
 			continue
 		}
@@ -103,7 +103,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx) })
 	}
 	for _, i := range objs {
-		withSlot([]int{i}, func() { e.loadObject(ctx, j, c, keys, blocks, lr, i) })
+		withSlot([]int{i}, func() { e.objs.load(ctx, j, c, keys, blocks, lr, i) })
 	}
 	turn.done() // every file has its slot: the cache's next load may take slots
 	wg.Wait()

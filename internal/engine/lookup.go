@@ -138,7 +138,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		if en == nil {
 			en = e.shared.discover(ctx, n, k)
 		}
-		if en == nil && e.hasObject(n, k) {
+		if en == nil && e.objs.has(n, k) {
 			e.st.hits.Add(1) // in the object mount (objects.go)
 			continue
 		}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"os"
 
 	"github.com/kvhost/kvhost/fsys"
@@ -53,57 +54,64 @@ type Objects interface {
 // area of a file of up to 55 keys, which a one-key object always is.
 const objectHeaderRead = 4096
 
-// hasObject reports whether the object mount holds key of ns (from
-// memory: Objects.Has); false without an object mount.
-func (e *Engine) hasObject(ns *namespace, key []byte) bool {
-	return e.cfg.Objects != nil && ns.layout == nil && e.cfg.Objects.Has(ns.fp, key)
+// objectTier is the engine's part that serves keys from the object mount
+// (Config.Objects): the keys no file holds. It reads the engine's index
+// (find), counts in its counters and marks its I/O in flight; Open sets
+// it, and it never changes after.
+type objectTier struct {
+	objs   Objects                                // nil: no object mount
+	find   func(ns *namespace, key []byte) *entry // the engine's index
+	mounts []*mount                               // the engine's: the first one's movers move what the CPU cannot address
+	st     *counters
+	io     *fsys.InFlight
+	log    *slog.Logger
 }
 
-// publishedObject tells the object mount of a file a store published.
-func (e *Engine) publishedObject(h *format.Header, path string) {
-	if e.cfg.Objects != nil && len(h.Keys) == 1 && !h.Raw {
-		e.cfg.Objects.Published(h.Fingerprint, h.Keys[0].Key, path)
+// has reports whether the object mount holds key of ns (from memory:
+// Objects.Has); false without an object mount.
+func (o *objectTier) has(ns *namespace, key []byte) bool {
+	return o.objs != nil && ns.layout == nil && o.objs.Has(ns.fp, key)
+}
+
+// published tells the object mount of a file a store published.
+func (o *objectTier) published(h *format.Header, path string) {
+	if o.objs != nil && len(h.Keys) == 1 && !h.Raw {
+		o.objs.Published(h.Fingerprint, h.Keys[0].Key, path)
 	}
 }
 
-// objectsOnly returns how many of keys (a set) of ns the object mount
-// holds and no file does (Delete counts them as removed).
-func (e *Engine) objectsOnly(ns *namespace, keys map[string]bool) int {
-	if e.cfg.Objects == nil {
-		return 0
+// only returns the keys (of the set keys) of ns that the object mount
+// holds and no file does.
+func (o *objectTier) only(ns *namespace, keys map[string]bool) [][]byte {
+	if o.objs == nil {
+		return nil
 	}
-	n := 0
+	var out [][]byte
 	for k := range keys {
-		if e.find(ns, []byte(k)) == nil && e.hasObject(ns, []byte(k)) {
-			n++
+		if o.find(ns, []byte(k)) == nil && o.has(ns, []byte(k)) {
+			out = append(out, []byte(k))
 		}
 	}
-	return n
+	return out
 }
 
-// deleteObjects removes from the object mount the objects of keys (a
-// set) of ns that no file holds after a Delete: a key a client pin kept
-// keeps its object too.
-func (e *Engine) deleteObjects(ns *namespace, keys map[string]bool) {
-	if e.cfg.Objects == nil {
-		return
-	}
-	for k := range keys {
-		if e.find(ns, []byte(k)) == nil && e.hasObject(ns, []byte(k)) {
-			e.cfg.Objects.Delete(ns.fp, []byte(k))
-		}
+// remove removes from the object mount the objects of keys of ns (a
+// client deleted them).
+func (o *objectTier) remove(ns *namespace, keys [][]byte) {
+	for _, k := range keys {
+		o.objs.Delete(ns.fp, k)
 	}
 }
 
-// loadObject loads the layers lr of key i of the request from the object
+// load loads the layers lr of key i of the request from the object
 // mount into its blocks, verifying the object's header and checksums as
 // a file's, and sets its outcome.
-func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, i int) {
-	set := func(o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
-	obj, fp, key := e.cfg.Objects, c.ns.fp, keys[i]
+func (o *objectTier) load(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, i int) {
+	set := func(out Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: out, Err: err} }
+	obj, fp, key := o.objs, c.ns.fp, keys[i]
 	bad := func(err error) {
-		e.st.corrupt.Add(1)
-		e.cfg.Logger.Warn("engine: corrupt object", "key", fmt.Sprintf("%x", key), "err", err)
+		o.st.corrupt.Add(1)
+		o.log.Warn("engine: corrupt object", "key", fmt.Sprintf("%x", key), "err", err)
 		obj.Bad(fp, key, err)
 		set(OutcomeFailed, err)
 	}
@@ -116,7 +124,7 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 	h, err := readObjectHeader(f)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		e.st.misses.Add(1)
+		o.st.misses.Add(1)
 		set(OutcomeMissing, fmt.Errorf("%w: key %x: %w", ErrNotFound, key, err))
 		return
 	case errors.Is(err, ErrCorrupt):
@@ -142,7 +150,7 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 	want := make([]bool, len(h.Keys))
 	want[k] = true
 	if c.kind != region.KindHost {
-		e.loadObjectBounced(ctx, j, c, blocks[i], lr, i, f, h, k, want, bad)
+		o.loadBounced(ctx, j, c, blocks[i], lr, i, f, h, k, want, bad)
 		return
 	}
 	by := verifyKeys
@@ -151,12 +159,12 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 	}
 	plan, sk := c.plan(h, want, func(int) []int { return blocks[i] }, &mount{}, lr, by)
 	sums := make([]uint32, plan.Sums)
-	io := e.busy.io.Begin()
+	io := o.io.Begin()
 	_, err = obj.Mover().ReadFile(ctx, f, plan, sums)
 	if err == nil {
 		err = sk.read(ctx, f, sums)
 	}
-	e.busy.io.End(io)
+	o.io.End(io)
 	if isShort(err) {
 		bad(fmt.Errorf("%w: object of key %x: %w", ErrCorrupt, key, err))
 		return
@@ -179,30 +187,30 @@ func (e *Engine) loadObject(ctx context.Context, j *Job, c *cache, keys [][]byte
 		}
 		return
 	}
-	e.objectLoaded(j, i, lr, sk.moved[k]+sk.skipped[k], sk.moved[k])
+	o.loaded(j, i, lr, sk.moved[k]+sk.skipped[k], sk.moved[k])
 }
 
-// objectLoaded sets key i of j loaded from the object mount and counts
-// it: read bytes read, moved of them into the blocks.
-func (e *Engine) objectLoaded(j *Job, i int, lr LayerRange, read, moved int64) {
+// loaded sets key i of j loaded from the object mount and counts it: read
+// bytes read, moved of them into the blocks.
+func (o *objectTier) loaded(j *Job, i int, lr LayerRange, read, moved int64) {
 	j.res.Keys[i] = KeyResult{Outcome: OutcomeLoaded}
 	if lr.First == 0 {
-		e.st.hits.Add(1)
+		o.st.hits.Add(1)
 	}
-	e.st.loads.Add(1)
-	e.st.read.Add(uint64(read))
+	o.st.loads.Add(1)
+	o.st.read.Add(uint64(read))
 	j.bytes.Add(moved)
 }
 
-// loadObjectBounced loads key k of the object open as f, whose header h
+// loadBounced loads key k of the object open as f, whose header h
 // was checked, into blocks of c's memory that the CPU cannot address (a
 // GPU's): the whole object is read into a memory file of the daemon's,
 // the key verified there, and the memory kind's mover (of the first
 // mount) moves it from that file as from a file on tmpfs.
-func (e *Engine) loadObjectBounced(ctx context.Context, j *Job, c *cache, blocks []int, lr LayerRange, i int, f fsys.File, h *format.Header, k int, want []bool, bad func(error)) {
-	set := func(o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks []int, lr LayerRange, i int, f fsys.File, h *format.Header, k int, want []bool, bad func(error)) {
+	set := func(out Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: out, Err: err} }
 	key := h.Keys[k].Key
-	mv, err := e.mounts[0].mover(c.kind)
+	mv, err := o.mounts[0].mover(c.kind)
 	if err != nil {
 		set(OutcomeFailed, err)
 		return
@@ -213,8 +221,8 @@ func (e *Engine) loadObjectBounced(ctx context.Context, j *Job, c *cache, blocks
 		return
 	}
 	defer release()
-	io := e.busy.io.Begin()
-	defer e.busy.io.End(io)
+	io := o.io.Begin()
+	defer o.io.End(io)
 	n, err := f.ReadvAt([][]byte{mem}, 0)
 	if err == nil && int64(n) < h.FileLen() {
 		bad(fmt.Errorf("%w: object of key %x: %d bytes, the header says %d", ErrCorrupt, key, n, h.FileLen()))
@@ -240,7 +248,7 @@ func (e *Engine) loadObjectBounced(ctx context.Context, j *Job, c *cache, blocks
 		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
 		return
 	}
-	e.objectLoaded(j, i, lr, h.FileLen(), sk.moved[k])
+	o.loaded(j, i, lr, h.FileLen(), sk.moved[k])
 }
 
 // memoryFile makes an anonymous memory file (a memfd region) of size

@@ -534,6 +534,6 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	e.st.stores.Add(uint64(len(h.Keys)))
 	e.st.written.Add(uint64(h.PayloadLen()))
 	j.bytes.Add(h.PayloadLen())
-	e.publishedObject(h, gr.path)
+	e.objs.published(h, gr.path)
 	return true, nil
 }
