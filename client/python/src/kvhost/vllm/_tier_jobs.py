@@ -253,8 +253,14 @@ class TierJobs:
         rows (vLLM's, or the staging slots) are used again after this. Only
         once the tier's shutdown has waited job_timeout_s does a job not
         done fail (TimeoutError; the memory goes with vLLM, and no staging
-        slot it held is used again)."""
-        return wait_ended(job, self._opts["job_timeout_s"] or None, lambda: self._give_up_at, "tier")
+        slot it held is used again). A result this thread sees only after
+        the shutdown's deadline counts as given up too: whether a loaded
+        machine wakes the thread for the deadline or for a result the
+        resumed daemon sent after it must not change what vLLM is told."""
+        r = wait_ended(job, self._opts["job_timeout_s"] or None, lambda: self._give_up_at, "tier")
+        if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
+            raise TimeoutError("the tier's shutdown gave up on the job before its result was taken")
+        return r
 
     def _staged(self, session, run, keys, rows, base):
         """One batch of run through the staging slots from base: the copies
