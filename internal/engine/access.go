@@ -130,7 +130,7 @@ func (a *accessLog) write() {
 		return
 	}
 	byMount := make([][]accesslog.Figure, len(a.paths))
-	for _, f := range a.ix.Figures(ids) {
+	for _, f := range a.ix.Files().Figures(ids) {
 		if f.Mount < len(byMount) {
 			byMount[f.Mount] = append(byMount[f.Mount], accesslog.Figure{FID: f.FID, Last: f.Last, Hits: f.Hits})
 		}
@@ -162,7 +162,7 @@ func (a *accessLog) append(m int, figs []accesslog.Figure) {
 	if j.Records() < compactMin {
 		return
 	}
-	all := a.ix.MountFigures(m)
+	all := a.ix.Files().MountFigures(m)
 	if j.Records() < compactMin+2*len(all) {
 		return
 	}

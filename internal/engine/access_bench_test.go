@@ -61,7 +61,7 @@ func BenchmarkAccessJournal(b *testing.B) {
 	b.ResetTimer()
 	for range b.N {
 		b.StopTimer()
-		recs := e.ix.Hit(ens, time.Now().UnixNano())
+		recs := e.ix.Pins().Hit(ens, time.Now().UnixNano())
 		b.StartTimer()
 		t0 := time.Now()
 		a.note(recs)

@@ -341,7 +341,7 @@ func TestAMovedFileRestoresWithItsLastAccessAndHits(t *testing.T) {
 	if en == nil || en.Mount != 1 {
 		t.Fatalf("after the restart the hit key's entry is %+v, want one on the cold mount", en)
 	}
-	for _, pe := range e.ix.PolicyEntries() {
+	for _, pe := range e.ix.Files().PolicyEntries() {
 		if pe.ID == en.ID && (int64(pe.LastAccess) != hit || pe.Hits != 2) {
 			t.Fatalf("the moved file restores with last access %d, hits %d; want %d, 2", pe.LastAccess, pe.Hits, hit)
 		}

@@ -683,7 +683,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 		t.Fatalf("the key was stored on mount %d, want the memory mount", keyMount(e, ns, keys[0]))
 	}
 	made := e.Stats().SparesMade
-	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
+	id := e.ix.Files().Get(e.tables.get(ns).fp, keys[0]).ID
 	// From here the move's copy is the only file in flight: every wait
 	// of the maker's is for it.
 	testwait.Until(t, "the store's file slot to be released", testwait.Hang, func() bool { return !e.mv.slots.busy() })
@@ -797,7 +797,7 @@ func TestSparesAreMadeAheadAgainWhenAMoveFreesRoom(t *testing.T) {
 	if m := e.Stats().Mounts[0]; m.SpareFiles != 5 || m.Used != fileLen {
 		t.Fatalf("after a store into a spare: %d spares, %d bytes used; want 5 and one file", m.SpareFiles, m.Used)
 	}
-	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
+	id := e.ix.Files().Get(e.tables.get(ns).fp, keys[0]).ID
 	if _, err := e.tier.move(ctx, id, 1, true); err != nil {
 		t.Fatalf("move: %v", err)
 	}

@@ -106,7 +106,7 @@ type budgetRound struct {
 }
 
 // budgetRound returns the budgets' state for an eviction round, from
-// counts (index.Index.FingerprintCounts), or nil where there are no
+// counts (index.Counts.ByFingerprint), or nil where there are no
 // budgets. It takes t.mu, shared.
 func (t *tables) budgetRound(counts func() map[uint64]index.FPCount) *budgetRound {
 	s := t.budgets
@@ -198,7 +198,7 @@ func (r *budgetRound) floorNote() string {
 }
 
 // budgetStats returns the use of each budget (Stats.Budgets) from counts
-// (index.Index.FingerprintCounts), and sets the Budget of each of nss
+// (index.Counts.ByFingerprint), and sets the Budget of each of nss
 // (Stats.Namespaces), of a namespace no client declared since the start
 // by the model id the model books name. It takes t.mu, shared.
 func (t *tables) budgetStats(counts map[uint64]index.FPCount, nss []NamespaceStats) []BudgetStats {

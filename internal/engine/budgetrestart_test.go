@@ -83,7 +83,7 @@ func TestABudgetFloorHoldsAcrossARestartBeforeItsClientDeclaresAgain(t *testing.
 
 			cfg.Logger = slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
 			e = openEngine(t, cfg)
-			if got := e.ix.FingerprintCounts()[quiet.Fingerprint()].Files; got != quietKeys {
+			if got := e.ix.Counts().ByFingerprint()[quiet.Fingerprint()].Files; got != quietKeys {
 				t.Fatalf("the restart found %d files of the quiet namespace, want %d", got, quietKeys)
 			}
 			wantBudget := "tenant/quiet"
@@ -96,7 +96,7 @@ func TestABudgetFloorHoldsAcrossARestartBeforeItsClientDeclaresAgain(t *testing.
 				}
 			}
 			store(e, "tenant/busy", "busy", busyKeys) // the quiet namespace's client not back yet
-			kept := e.ix.FingerprintCounts()[quiet.Fingerprint()].Files
+			kept := e.ix.Counts().ByFingerprint()[quiet.Fingerprint()].Files
 			if kept < tc.wantKept {
 				t.Errorf("the quiet namespace kept %d of its %d files (floor %d files) before its client declared it again", kept, quietKeys, quietKeys)
 			}

@@ -186,7 +186,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) (note st
 			e.pol.hitRec.flush() // rank with every hit reported so far
 		}
 		req := abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.cfg.Now().UnixNano()), Mount: uint32(m.idx)}
-		br := e.tables.budgetRound(e.ix.FingerprintCounts)
+		br := e.tables.budgetRound(e.ix.Counts().ByFingerprint)
 		passes := []int{passAny}
 		if br != nil {
 			// More victims than the room needs: some may be kept.

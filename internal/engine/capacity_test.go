@@ -489,7 +489,7 @@ func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.In
 
 // entryOf returns the entry that holds key in namespace ns.
 func entryOf(e *Engine, ns NamespaceID, key []byte) *entry {
-	return e.ix.Get(e.tables.get(ns).fp, key)
+	return e.ix.Files().Get(e.tables.get(ns).fp, key)
 }
 
 // oneMountPolicy is testPolicy naming every key on mount 0, without
@@ -534,7 +534,7 @@ func TestAStorePublishedOverAnOrphanLeavesItsFileCounted(t *testing.T) {
 	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(2, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys[:2], [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
 	first := entryOf(e, ns, keys[0])
-	e.ix.ForgetKey(e.tables.get(ns).fp, keys[0])
+	e.ix.Files().ForgetKey(e.tables.get(ns).fp, keys[0])
 	armed.Store(true)
 	storeAndCheck(t, e, c, [][]byte{keys[0], keys[2]}, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}})
 	var orphan bool

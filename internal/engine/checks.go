@@ -99,7 +99,7 @@ func (c *checker) verifyPinned(ctx context.Context, en *entry) bool {
 // unless this engine removed or moved it meanwhile, and keeps it on an
 // error that tells nothing (EIO, EACCES). It reports false.
 func (c *checker) judgeCheck(ctx context.Context, en *entry, err error) bool {
-	if c.ix.Gone(en) {
+	if c.ix.Files().Gone(en) {
 		return false // removed or moved (demote.go) since it was found: not vanished
 	}
 	why := "vanished"

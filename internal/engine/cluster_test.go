@@ -696,7 +696,7 @@ func TestClusterCountsReservedAndGrantedBytesOnceEach(t *testing.T) {
 // entriesOf lists e's entries on its first mount of node's files.
 func entriesOf(e *Engine, node string) []*entry {
 	var out []*entry
-	e.ix.Each(func(en *entry) {
+	e.ix.Files().Each(func(en *entry) {
 		if o, ok := clustercap.Owner(en.FID); ok && o == clustercap.Tag(node) && en.Mount == 0 && !en.Marks().Gone {
 			out = append(out, en)
 		}

@@ -31,7 +31,7 @@ func BenchmarkClusterTickScans(b *testing.B) {
 	now := time.Now().UnixNano()
 	var i int64
 	// counted in byFP, as applyPurges asks it
-	b.Cleanup(e.ix.AddUnlinked(fp, func(uint64) *entry {
+	b.Cleanup(e.ix.Files().AddUnlinked(fp, func(uint64) *entry {
 		en := &entry{FP: fp, Mount: m.idx, Size: 1 << 20, FID: clustercap.FileID(c.Tag(), rand.Uint64()),
 			Last: now + i, Keys: []string{fmt.Sprint(i)}}
 		en.Ident.Mtime = now + i

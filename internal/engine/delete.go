@@ -203,7 +203,7 @@ func (r *remover) purge(ctx context.Context, fps []uint64, mayRemove func(*entry
 	// The files left before first, so that a file this purge fails to
 	// remove is tried once.
 	ofFPs := func(en *entry) bool { return !en.Spare && slices.Contains(fps, en.FP) }
-	left := r.ix.TakeLeft(ofFPs, r.now().UnixNano()+int64(leftRetryInterval))
+	left := r.ix.Leaving().Take(ofFPs, r.now().UnixNano()+int64(leftRetryInterval))
 	for at, en := range left {
 		if r.removeAt(at, en) {
 			res.Left++
@@ -212,7 +212,7 @@ func (r *remover) purge(ctx context.Context, fps []uint64, mayRemove func(*entry
 		res.Files, res.Bytes = res.Files+1, res.Bytes+en.Size
 		removed = true
 	}
-	ens := r.ix.Matching(nil, func(en *entry) bool { return slices.Contains(fps, en.FP) })
+	ens := r.ix.Files().Matching(nil, func(en *entry) bool { return slices.Contains(fps, en.FP) })
 	if r.purgeEntries(ctx, ens, mayRemove, res, "purged") {
 		removed = true
 	}

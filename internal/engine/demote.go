@@ -563,7 +563,7 @@ func (t *tiering) moveEntry(ctx context.Context, id uint64, target int, mayEvict
 	t.maker.fileEnded()
 	if err != nil {
 		if left != nil {
-			ix.Leave(left, dst) // the reservation counts the copy left
+			ix.Leaving().Leave(left, dst) // the reservation counts the copy left
 		} else {
 			t.room.unreserve(tm, size)
 		}
@@ -578,7 +578,7 @@ func (t *tiering) moveEntry(ctx context.Context, id uint64, target int, mayEvict
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
 		if left := t.rm.removeIfSame(dst, []*entry{en2}); left != nil {
-			ix.Leave(left, dst) // the reservation counts the copy left
+			ix.Leaving().Leave(left, dst) // the reservation counts the copy left
 		} else {
 			t.room.unreserve(tm, size)
 		}
@@ -761,7 +761,7 @@ func (t *tiering) dedupe(found []*entry) []*entry {
 		t.log.Info("engine: second copy of a moved file removed", "path", en.Path, "kept", keep[fileKey{en.FP, en.FID}].Path)
 		if left := t.rm.removeIfSame(en.Path, []*entry{en}); left != nil {
 			t.space.Left(t.mounts[left.Mount].sp, left.Size)
-			t.ix.Leave(left, en.Path)
+			t.ix.Leaving().Leave(left, en.Path)
 			continue
 		}
 		t.st.deduped.Add(1)

@@ -49,7 +49,7 @@ func tieredPolicies(t testing.TB, params map[string]string) map[string]func(poli
 // keyMount returns the mount of key's file in ns, or -1 if it is not
 // indexed.
 func keyMount(e *Engine, ns NamespaceID, key []byte) int {
-	en := e.ix.Get(e.tables.get(ns).fp, key)
+	en := e.ix.Files().Get(e.tables.get(ns).fp, key)
 	if en == nil {
 		return -1
 	}
@@ -298,7 +298,7 @@ func TestADemotionOntoAFileAlreadyAtItsPath(t *testing.T) {
 			if st := e.Stats(); st.Mounts[0].Entries != 1 || st.Mounts[1].Entries != 1 {
 				t.Fatalf("indexed at Open: %d files on the hot mount, %d on the cold one; want 1 and 1: the test proves nothing", st.Mounts[0].Entries, st.Mounts[1].Entries)
 			}
-			victim := e.ix.ByPath(files[0])
+			victim := e.ix.Files().ByPath(files[0])
 			storeAndCheck(t, e, c, keys[1:2], blocks[1:2])
 			storeAndCheck(t, e, c, keys[2:3], blocks[2:3])
 			ts, st := e.TierStats(), e.Stats()
@@ -484,7 +484,7 @@ func TestDedupeCountsACopyItCouldNotRemove(t *testing.T) {
 			e.TierStats().Deduped, st.RemoveFailures, dataFiles(t, hot), dataFiles(t, cold))
 	}
 	dropped := -1
-	for _, en := range e.ix.LeftOnDisk() {
+	for _, en := range e.ix.Leaving().LeftOnDisk() {
 		dropped = en.Mount
 	}
 	if dropped < 0 {
@@ -1036,7 +1036,7 @@ func TestLookupDuringMove(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("mid", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	en := e.ix.Get(e.tables.get(ns).fp, keys[0])
+	en := e.ix.Files().Get(e.tables.get(ns).fp, keys[0])
 	armed.Store(en)
 	if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
 		t.Fatalf("lookup during a move: %d, %v; want a hit", n, err)
@@ -1078,7 +1078,7 @@ func TestDeleteDuringMove(t *testing.T) {
 	}
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
+	id := e.ix.Files().Get(e.tables.get(ns).fp, keys[0]).ID
 	armed.Store(true)
 	if _, err := e.tier.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
 		t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
@@ -1133,7 +1133,7 @@ func TestMovesCopyInWholeLargeFolios(t *testing.T) {
 		want := c.data(blocks)
 		keys := testKeys("folio-move", 1)
 		storeAndCheck(t, e, c, keys, [][]int{blocks})
-		en := e.ix.Get(e.tables.get(ns).fp, keys[0])
+		en := e.ix.Files().Get(e.tables.get(ns).fp, keys[0])
 		id, size := en.ID, en.Size
 		writes.Store(0) // the start's O_DIRECT probe wrote there too
 		if _, err := e.tier.move(ctx, id, 1, true); err != nil {
@@ -1279,7 +1279,7 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 	if err != nil || id == 0 || !held[0] {
 		t.Fatalf("Pin = %d, %v, %v; want the moved key pinned", id, held, err)
 	}
-	en := e.ix.Get(e.tables.get(ns).fp, keys[0])
+	en := e.ix.Files().Get(e.tables.get(ns).fp, keys[0])
 	var pinned bool
 	e.ix.Inspect(func() { pinned = en.ClientPinned() })
 	mount := en.Mount

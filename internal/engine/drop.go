@@ -138,7 +138,7 @@ func (r *remover) evictClaimed(en *entry) {
 func (r *remover) retryLeft(m *mount) {
 	now := r.now().UnixNano()
 	due := func(en *entry) bool { return en.Mount == m.idx && en.RetryAt() <= now }
-	for at, en := range r.ix.TakeLeft(due, now+int64(leftRetryInterval)) {
+	for at, en := range r.ix.Leaving().Take(due, now+int64(leftRetryInterval)) {
 		r.removeAt(at, en)
 	}
 }

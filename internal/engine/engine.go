@@ -192,7 +192,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.shared = sharedDir{e}
 	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.cfg.Now, e.access, DefaultMaxPinnedOpen()
 	e.chk = &checker{fs: e.fs, now: cfg.Now, log: cfg.Logger, ix: e.ix, hd: e.hd, pins: &e.pinTab, rm: e.rm}
-	e.tables = newTables(cfg.MaxNamespaces, e.ix.Holds)
+	e.tables = newTables(cfg.MaxNamespaces, e.ix.Counts().Holds)
 	budgets, err := newBudgetSet(cfg.Budgets)
 	if err != nil {
 		return nil, fmt.Errorf("engine: %w", err)
@@ -292,9 +292,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	// Before any eviction: the budgets count the files found.
 	books := newModelBook(e.fs, cfg.Logger, e.mounts, e.own.node)
-	books.prune(books.read(e.mounts), e.ix.Holds)
+	books.prune(books.read(e.mounts), e.ix.Counts().Holds)
 	e.tables.setBooks(books)
-	e.tables.budgetsFound(cfg.Logger, e.ix.FingerprintCounts())
+	e.tables.budgetsFound(cfg.Logger, e.ix.Counts().ByFingerprint())
 	e.pol.Policy = cfg.Policy
 	if e.pol.Policy == nil {
 		if e.pol.Policy, err = cfg.NewPolicy(e.Index()); err != nil {
@@ -310,7 +310,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	// Before any access event: the restart hold's release may come from
 	// a timer while Open still runs.
 	e.pol.hitRec = newHitRecorder(e, newAccessLog(e.ix, e.fs, cfg.Logger, writableAccessPaths(e.mounts, e.own.node)))
-	e.access(ctx, e.ix.Records(abi.AccessRestore)) // the policy told of every indexed entry
+	e.access(ctx, e.ix.Files().Records(abi.AccessRestore)) // the policy told of every indexed entry
 	// Before the cluster's first count, which may evict this node's files.
 	e.hold.start(ctx, cfg.RestartHold)
 	if err := countCluster(ctx, e.mounts); err != nil {
@@ -339,8 +339,8 @@ func (e *Engine) Stats() Stats {
 		PinnedFilesOpen: e.pinTab.open.Load(), PinnedFilesUnopened: e.pinTab.unopened.Load(),
 		StoreFailures: e.st.fails.stats(0), LoadFailures: e.st.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
-	s.Entries, s.Keys = e.ix.Size()
-	counts := e.ix.FingerprintCounts()
+	s.Entries, s.Keys = e.ix.Files().Size()
+	counts := e.ix.Counts().ByFingerprint()
 	s.Namespaces = e.tables.stats(counts)
 	s.Budgets = e.tables.budgetStats(counts, s.Namespaces)
 	rooms := e.space.Usages()

@@ -92,7 +92,7 @@ func (h *restartHold) start(ctx context.Context, d time.Duration) {
 	if left <= 0 {
 		return
 	}
-	recs := h.ix.HoldAll(at.UnixNano())
+	recs := h.ix.Pins().HoldAll(at.UnixNano())
 	if len(recs) == 0 {
 		return
 	}
@@ -176,7 +176,7 @@ func (h *restartHold) release(tell bool) {
 	h.timer = nil
 	// Only a demotion round (serialized with this by h.mu) holds new
 	// entries, so the lists visited are all there will be.
-	n, recs := h.ix.EndHold(tell, h.now().UnixNano())
+	n, recs := h.ix.Pins().EndHold(tell, h.now().UnixNano())
 	h.events.access(context.Background(), recs)
 	if tell {
 		h.log.Info("engine: files found at start may be evicted again", "files", n)
@@ -189,7 +189,7 @@ func (h *restartHold) release(tell bool) {
 func (e *Engine) HeldFound() int { return e.hold.held() }
 
 // held is HeldFound.
-func (h *restartHold) held() int { return h.ix.HeldFound() }
+func (h *restartHold) held() int { return h.ix.Pins().HeldFound() }
 
 // demote is the last round of an eviction on m (evict) that left too
 // little room, while the restart hold pins files there: where the policy
@@ -245,14 +245,14 @@ func (h *restartHold) demote(ctx context.Context, m *mount, size int64) error {
 			m.heldIdle = time.Time{}
 		}
 	}()
-	lifted, recs := h.ix.LiftHeld(m.idx, now)
+	lifted, recs := h.ix.Pins().LiftHeld(m.idx, now)
 	if len(lifted) == 0 {
 		return nil
 	}
 	wctx := context.WithoutCancel(ctx) // records and moves begun finish
 	h.events.access(wctx, recs)
 	defer func() {
-		h.events.access(wctx, h.ix.Unlift(lifted, h.now().UnixNano()))
+		h.events.access(wctx, h.ix.Pins().Unlift(lifted, h.now().UnixNano()))
 	}()
 
 	need := h.space.Need(m.sp, size)

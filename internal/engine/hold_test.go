@@ -469,7 +469,7 @@ func TestRestartHoldDemotesHeldFilesToMakeRoom(t *testing.T) {
 			h := e.pol.Policy.(*switchPolicy).acquire()
 			pins := h.pinCounts()
 			h.calls.Done()
-			e.ix.Each(func(en *entry) {
+			e.ix.Files().Each(func(en *entry) {
 				if held := en.Marks().Held; map[bool]int{true: 1}[held] != pins[en.ID] {
 					t.Errorf("entry %d (mount %d, held %v): the policy was told of %d pins, want %d", en.ID, en.Mount, held, pins[en.ID], map[bool]int{true: 1}[held])
 				}

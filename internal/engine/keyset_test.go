@@ -35,7 +35,7 @@ func (m *keyMirror) Remove(fp uint64, key string) {
 // checkMirror fails unless m holds exactly the keys of e's index.
 func checkMirror(t *testing.T, what string, e *Engine, m *keyMirror) {
 	t.Helper()
-	indexed := e.ix.Keys()
+	indexed := e.ix.Files().Keys()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, k := range indexed {

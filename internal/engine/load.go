@@ -57,10 +57,10 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	for i, k := range keys {
 		// The index's entry is found and pinned in one hold of the lock
 		// (every load takes it); a key it lacks is looked for on disk.
-		en, pinned := e.ix.PinKey(ns.fp, k, dup, e.cfg.Now().UnixNano(), &pins)
+		en, pinned := e.ix.Pins().PinKey(ns.fp, k, dup, e.cfg.Now().UnixNano(), &pins)
 		if en == nil {
 			if en = e.shared.discover(ctx, ns, k); en != nil {
-				en, pinned = e.ix.PinFound(en, k, dup, e.cfg.Now().UnixNano(), &pins)
+				en, pinned = e.ix.Pins().PinFound(en, k, dup, e.cfg.Now().UnixNano(), &pins)
 			}
 		}
 		if !pinned && en == nil && e.objs.has(ns, k) {
@@ -114,7 +114,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	loaded := func(en *entry) bool {
 		return lr.First == 0 && slices.ContainsFunc(byEntry[en], func(i int) bool { return j.res.Keys[i].Outcome == OutcomeLoaded })
 	}
-	e.access(ctx, e.ix.UnpinLoad(order, loaded, e.cfg.Now().UnixNano()))
+	e.access(ctx, e.ix.Pins().UnpinLoad(order, loaded, e.cfg.Now().UnixNano()))
 }
 
 // loadFile reads the layers lr of the keys idx (request indices) from en's
@@ -152,7 +152,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.rm.drop(ctx, en, true, "corrupt")
 		// Nor is a file its client pins hold open read again: later
 		// loads miss, as they do where no pin held it.
-		e.ix.UnkeepPinned(en)
+		e.ix.Pins().UnkeepPinned(en)
 	}
 	// One fstat (openData's) serves the header (vllm-fs mounts) and the
 	// checks below.

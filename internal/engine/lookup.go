@@ -93,7 +93,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	// to find every key's entry, once to count the hits. Loads and stores
 	// take the same lock; a lookup that took it per key queued behind them
 	// once per key (docs/engine.md, "Lookup and delete").
-	found := e.ix.GetAll(n.fp, keys, nil)
+	found := e.ix.Files().GetAll(n.fp, keys, nil)
 	// The entries hit, each once: a file of several keys is counted once
 	// (a short slice, keys of one file are neighbours; a map for long
 	// requests).
@@ -114,7 +114,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	// path.
 	countHits := func() {
 		if len(hit) > 0 {
-			e.pol.hitRec.add(ctx, e.ix.Hit(hit, now))
+			e.pol.hitRec.add(ctx, e.ix.Pins().Hit(hit, now))
 		}
 	}
 	stored := len(keys)
@@ -162,7 +162,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 // MirrorKeys tells ks every key the index holds now and, from then on,
 // every key it gains or loses (the daemon's shared lookup table). A later
 // call replaces ks; nil stops the mirroring.
-func (e *Engine) MirrorKeys(ks KeySet) { e.ix.Mirror(ks) }
+func (e *Engine) MirrorKeys(ks KeySet) { e.ix.Files().Mirror(ks) }
 
 // find returns the entry the index holds for key in ns, or nil.
-func (e *Engine) find(ns *namespace, key []byte) *entry { return e.ix.Get(ns.fp, key) }
+func (e *Engine) find(ns *namespace, key []byte) *entry { return e.ix.Files().Get(ns.fp, key) }

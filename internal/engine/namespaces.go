@@ -33,7 +33,7 @@ type tables struct {
 	declares int // namespaces counted against max
 	max      int // Config.MaxNamespaces
 	// holds reports whether the index holds a file of fingerprint fp
-	// (index.Index.Holds): such a namespace's id is not given back.
+	// (index.Counts.Holds): such a namespace's id is not given back.
 	holds func(fp uint64) bool
 	// budgets are Config.Budgets (budget.go), set at Open; nil for none.
 	budgets *budgetSet

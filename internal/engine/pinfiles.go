@@ -73,7 +73,7 @@ func (t *pinTable) closeSlot() { t.open.Add(-1) }
 // already (f is then closed).
 func (t *pinTable) holdOpen(en *entry, f fsys.File) {
 	pf := index.NewPinnedFile(f)
-	if !t.ix.HoldOpen(en, pf) { // another pin of en opened it meanwhile
+	if !t.ix.Pins().HoldOpen(en, pf) { // another pin of en opened it meanwhile
 		t.releaseFile(pf)
 	}
 }

@@ -80,7 +80,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		if en == nil {
 			continue
 		}
-		en, dup, gone := e.ix.PinClient(en, k, func(en *entry) bool { _, ok := byEntry[en]; return ok })
+		en, dup, gone := e.ix.Pins().PinClient(en, k, func(en *entry) bool { _, ok := byEntry[en]; return ok })
 		if !dup {
 			if gone {
 				continue
@@ -102,7 +102,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			pinned++
 		}
 	}
-	recs := e.ix.HitPinned(order, e.cfg.Now().UnixNano())
+	recs := e.ix.Pins().HitPinned(order, e.cfg.Now().UnixNano())
 	e.st.hits.Add(uint64(pinned))
 	e.st.misses.Add(uint64(len(keys) - pinned))
 	e.access(ctx, recs)
@@ -174,7 +174,7 @@ func (t *pinTable) unpin(ctx context.Context, ens []*entry, tell bool) {
 	if len(ens) == 0 {
 		return
 	}
-	recs, files := t.ix.UnpinClient(ens, t.now().UnixNano(), tell)
+	recs, files := t.ix.Pins().UnpinClient(ens, t.now().UnixNano(), tell)
 	for _, pf := range files {
 		t.releaseFile(pf)
 	}

@@ -186,7 +186,7 @@ func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRe
 	pins := map[uint64]int{}
 	now := e.cfg.Now().UnixNano()
 	indexed := map[uint64]bool{}
-	e.ix.Each(func(en *entry) {
+	e.ix.Files().Each(func(en *entry) {
 		indexed[en.ID] = true
 		if n := v.seen[en.ID]; n < v.ranges || v.ranges == 0 {
 			recs = append(recs, en.Access(abi.AccessRestore, en.Last))
@@ -420,12 +420,12 @@ type indexView struct{ e *Engine }
 var _ policy.Index = indexView{}
 
 // Lookup returns the entry with the given id.
-func (v indexView) Lookup(id uint64) (policy.Entry, bool) { return v.e.ix.PolicyEntry(id) }
+func (v indexView) Lookup(id uint64) (policy.Entry, bool) { return v.e.ix.Files().PolicyEntry(id) }
 
 // Range calls fn for every entry until fn returns false. fn runs without the
 // index's lock held, on a snapshot.
 func (v indexView) Range(fn func(policy.Entry) bool) {
-	for _, en := range v.e.ix.PolicyEntries() {
+	for _, en := range v.e.ix.Files().PolicyEntries() {
 		if !fn(en) {
 			return
 		}

@@ -240,7 +240,7 @@ func TestReplacePolicyTellsEveryShardOfEntriesStoredBetweenItsRanges(t *testing.
 // entryIDs returns the ids of the indexed entries.
 func (e *Engine) entryIDs() []uint64 {
 	var out []uint64
-	for _, en := range e.ix.Entries() {
+	for _, en := range e.ix.Files().Entries() {
 		out = append(out, en.ID)
 	}
 	return out

@@ -74,7 +74,7 @@ func (r *remover) published(en *entry, reason removals.Reason) {
 	}
 	recs := make([]removals.Record, 0, len(en.Keys))
 	for _, k := range en.Keys {
-		if r.ix.Get(en.FP, []byte(k)) != nil {
+		if r.ix.Files().Get(en.FP, []byte(k)) != nil {
 			continue
 		}
 		recs = append(recs, removals.Record{FP: en.FP, Key: k, Reason: reason, Mount: en.Mount, To: removals.NoMount})
@@ -144,7 +144,7 @@ func (r *remover) movedKeys(en, to *entry) {
 	}
 	recs := make([]removals.Record, 0, len(en.Keys))
 	for _, k := range en.Keys {
-		if r.ix.Get(en.FP, []byte(k)) != to {
+		if r.ix.Files().Get(en.FP, []byte(k)) != to {
 			continue
 		}
 		recs = append(recs, removals.Record{FP: en.FP, Key: k, Reason: removals.Moved, Mount: en.Mount, To: to.Mount})
@@ -299,6 +299,6 @@ func (r *remover) removeOwnIn(m *mount, dir fsys.File, path string, id fsys.Iden
 	if err := r.removeFileIn(m, dir, path, id); err != nil {
 		r.failures.Add(1)
 		r.log.Warn("engine: remove a "+what, "path", path, "err", err)
-		r.ix.LeaveSpare(m.idx, path, id.Size)
+		r.ix.Leaving().LeaveSpare(m.idx, path, id.Size)
 	}
 }

@@ -73,7 +73,7 @@ type sweeper struct {
 func sweepOf(e *Engine) sweeper {
 	return sweeper{
 		files: func() []*entry {
-			return e.ix.Matching(nil, func(en *entry) bool { return !en.Spare && e.mounts[en.Mount].othersRemove(en) })
+			return e.ix.Files().Matching(nil, func(en *entry) bool { return !en.Spare && e.mounts[en.Mount].othersRemove(en) })
 		},
 		readDir: e.fs.ReadDir,
 		verify:  e.chk.verify,

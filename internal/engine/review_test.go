@@ -630,7 +630,7 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	if got, err := e.shared.adopt(ctx, found, nil); got != nil || !errors.Is(err, errPathHeld) {
 		t.Fatalf("adopt at a path a store held: %v, %v; want nil, errPathHeld", got, err)
 	}
-	indexed := e.ix.ByPath(path)
+	indexed := e.ix.Files().ByPath(path)
 	if indexed != nil {
 		t.Fatalf("the index holds %s at a held path", indexed.Path)
 	}
@@ -639,7 +639,7 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	}
 
 	e.rm.release(path)
-	if en := e.shared.discover(ctx, e.tables.get(ns), keys[0]); en == nil || e.ix.Gone(en) {
+	if en := e.shared.discover(ctx, e.tables.get(ns), keys[0]); en == nil || e.ix.Files().Gone(en) {
 		t.Fatal("discover did not index the file once the path was free")
 	}
 	if n, err := e.Lookup(ctx, ns, keys); err != nil || n != 1 {
@@ -666,7 +666,7 @@ func TestALookupNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *tes
 			k := storeGatedKey(t, fsys.OpClose)
 			// The index loses the file (as when another node published it),
 			// while the file stays on disk.
-			k.e.ix.Forget(k.e.ix.ByPath(k.path))
+			k.e.ix.Forget(k.e.ix.Files().ByPath(k.path))
 
 			k.gate.race(k.path, func() { // held after its header read, at its close
 				k.e.Lookup(ctx, k.ns, k.keys)
@@ -706,7 +706,7 @@ func removedOrReplaced(index func(t *testing.T, k *gatedKey)) []struct {
 // and only it (none where none is there), and the engine's parts agree.
 func indexHoldsTheFileAt(t *testing.T, e *Engine, path string) {
 	t.Helper()
-	en := e.ix.ByPath(path)
+	en := e.ix.Files().ByPath(path)
 	fi, err := os.Stat(path)
 	switch {
 	case err != nil && en != nil:

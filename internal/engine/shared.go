@@ -32,11 +32,11 @@ func (s sharedDir) discover(ctx context.Context, ns *namespace, key []byte) *ent
 	if err != nil || errs[0] != nil {
 		return nil
 	}
-	read := s.e.ix.BeginRead(paths[0])
+	read := s.e.ix.Flights().BeginRead(paths[0])
 	if read == nil { // held: adopt looks again
 		return nil
 	}
-	defer s.e.ix.EndRead(paths[0], read)
+	defer s.e.ix.Flights().EndRead(paths[0], read)
 	en, err := s.e.hd.readEntry(mounts[0], paths[0])
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
@@ -103,11 +103,11 @@ func (s sharedDir) adopt(ctx context.Context, en *entry, read *readMark) (*entry
 // no error where the file was replaced since it was read, or is one this
 // engine dropped (adopt).
 func (s sharedDir) adoptFound(ctx context.Context, found *entry) (*entry, error) {
-	read := s.e.ix.BeginRead(found.Path)
+	read := s.e.ix.Flights().BeginRead(found.Path)
 	if read == nil { // held: adopt looks again
 		return nil, errPathHeld
 	}
-	defer s.e.ix.EndRead(found.Path, read)
+	defer s.e.ix.Flights().EndRead(found.Path, read)
 	fi, err := s.e.fs.Stat(found.Path)
 	if err != nil {
 		return nil, err
@@ -233,5 +233,5 @@ func (s sharedDir) heldAt(ctx context.Context, fp uint64, key []byte, en *entry)
 	if _, err := matchKey(en, fp, key); err != nil || !s.confirm(ctx, en) {
 		return false
 	}
-	return s.e.ix.Relink(en)
+	return s.e.ix.Files().Relink(en)
 }

@@ -151,7 +151,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// same inode, is never taken for it) are present.
 		var missing []int
 		checked := map[*entry]bool{}
-		found := e.ix.GetAll(c.ns.fp, keys, todo)
+		found := e.ix.Files().GetAll(c.ns.fp, keys, todo)
 		for t, i := range todo {
 			en := found[t]
 			for en != nil {
@@ -165,7 +165,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 				}
 				// Moved to another mount since it was found (demote.go):
 				// the key's entry is then the copy, checked in turn.
-				cur := e.ix.Current(en, keys[i])
+				cur := e.ix.Files().Current(en, keys[i])
 				if cur == en {
 					cur = nil
 				}
@@ -202,7 +202,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
 		if len(presentIn) > 0 {
 			for i, en := range presentIn {
-				if e.ix.Gone(en) {
+				if e.ix.Files().Gone(en) {
 					delete(presentIn, i)
 					todo = append(todo, i)
 				}
@@ -373,7 +373,7 @@ func (e *Engine) replacing(path string, old *entry) error {
 	if old == nil {
 		return nil
 	}
-	if !e.ix.Replacing(path, old) {
+	if !e.ix.Flights().Replacing(path, old) {
 		return fmt.Errorf("%w: it named file %s for these keys, which holds other keys a client pinned", ErrPolicy, path)
 	}
 	return nil
@@ -509,7 +509,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return false, fmt.Errorf("%w: store on mount %s: %s is a directory, not a kvhost file: the policy's name for key %q collides with it", ErrPolicy, m.root, gr.path, h.Keys[0].Key)
 	case err != nil && published:
 		if left != nil {
-			e.ix.Leave(left, gr.path) // the reservation counts the file left
+			e.ix.Leaving().Leave(left, gr.path) // the reservation counts the file left
 		} else {
 			e.unreserve(m, size) // the file was removed again
 		}

@@ -469,7 +469,7 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err err
 	}
 	want := vllmfs.FileLen(g.KeyBytes())
 	rows, longer, cut, example := 0, 0, 0, ""
-	e.ix.Each(func(en *entry) {
+	e.ix.Files().Each(func(en *entry) {
 		switch {
 		case en.Mount != m.idx:
 		case en.Size == want:

@@ -86,7 +86,7 @@ func startWarmer(mounts []*mount, ix *index.Index, open func(m *mount, path stri
 		last int64
 	}
 	var start []found
-	ix.Each(func(en *entry) {
+	ix.Files().Each(func(en *entry) {
 		if m := mounts[en.Mount]; m.memory {
 			start = append(start, found{warmFile{en.Mount, en.Path, en.Ident}, en.Last})
 		}

@@ -308,7 +308,7 @@ func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches [
 	paths := make(map[uint32]string, len(c.files))
 	seen := c.Host.Now().Add(-max(clustercap.StaleIntervals*c.interval, seenWindow)).UnixNano()
 	c.unowned, c.unownedPath = 0, ""
-	c.Index.Each(func(en *index.Entry) {
+	c.Index.Files().Each(func(en *index.Entry) {
 		if en.Mount != c.Idx {
 			return
 		}
@@ -623,7 +623,7 @@ func (c *Mount) read(ctx context.Context) error {
 	}
 	// The use is an access of the file: the policy hears of it as a hit
 	// at its time, and the file ranks at least as the user ranks it.
-	recs := c.Index.Touch(c.Idx, func(fid uint64) (int64, bool) {
+	recs := c.Index.Files().Touch(c.Idx, func(fid uint64) (int64, bool) {
 		t, ok := touched[fid]
 		if ok {
 			c.floor[fid] = max(c.floor[fid], t.Rank)
@@ -1725,7 +1725,7 @@ func (c *Mount) cleanTemps(dead map[uint32]bool) {
 // bytesOf is the bytes of the entries on c's mount whose owner tag is in tags.
 func (c *Mount) bytesOf(tags map[uint32]bool) int64 {
 	var n int64
-	c.Index.Each(func(en *index.Entry) {
+	c.Index.Files().Each(func(en *index.Entry) {
 		if o, ok := clustercap.Owner(en.FID); ok && tags[o] && en.Mount == c.Idx {
 			n += en.Size
 		}
@@ -1746,7 +1746,7 @@ func (c *Mount) leftOf(tag uint32) bool {
 		o, ok := clustercap.Owner(en.FID)
 		return ok && o == tag && en.Mount == c.Idx
 	}
-	return c.Index.AnyOut(of)
+	return c.Index.Leaving().AnyOut(of)
 }
 
 // applyPurges drops the entries that a purge record of c's mount covers (the
@@ -1770,7 +1770,7 @@ func (c *Mount) applyPurges(ctx context.Context) {
 	}
 	// The records stay after their namespace's files went: one of a
 	// namespace with no file indexed costs no scan of the index.
-	ens := c.Index.Matching(purges, func(en *index.Entry) bool {
+	ens := c.Index.Files().Matching(purges, func(en *index.Entry) bool {
 		t, ok := purges[en.FP]
 		return ok && c.Covers(en) && !en.Spare && en.Ident.Mtime <= t
 	})

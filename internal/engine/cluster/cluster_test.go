@@ -95,7 +95,7 @@ func openNode(t *testing.T, dir, name string, capacity int64) (*node, error) {
 func (n *node) index(t *testing.T, owner string, i int, last int64) *index.Entry {
 	t.Helper()
 	key := fmt.Sprintf("%s-%d", owner, i)
-	en := &index.Entry{ID: uint64(len(n.ix.Entries()) + 1), FP: 1, Path: filepath.Join(n.dir, key), Size: fileSize,
+	en := &index.Entry{ID: uint64(len(n.ix.Files().Entries()) + 1), FP: 1, Path: filepath.Join(n.dir, key), Size: fileSize,
 		Keys: []string{key}, FID: clustercap.FileID(clustercap.Tag(owner), uint64(i)+1), Last: last}
 	if got, _, _ := n.ix.Adopt(en, nil); got != en {
 		t.Fatalf("file %s not indexed", key)

@@ -17,12 +17,12 @@ func (en *Entry) Restore(last int64, hits uint32) {
 
 // Figures returns the figures of the entries of ids still indexed whose
 // files have a header id (a file without one is never journaled).
-func (ix *Index) Figures(ids []uint64) []FileFigure {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
+func (f *Files) Figures(ids []uint64) []FileFigure {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
 	figs := make([]FileFigure, 0, len(ids))
 	for _, id := range ids {
-		if en := ix.entries[id]; en != nil && en.FID != 0 {
+		if en := f.entries[id]; en != nil && en.FID != 0 {
 			figs = append(figs, en.figure())
 		}
 	}
@@ -31,11 +31,11 @@ func (ix *Index) Figures(ids []uint64) []FileFigure {
 
 // MountFigures returns the figures of every indexed entry on mount whose
 // file has a header id.
-func (ix *Index) MountFigures(mount int) []FileFigure {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
+func (f *Files) MountFigures(mount int) []FileFigure {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
 	var figs []FileFigure
-	for _, en := range ix.entries {
+	for _, en := range f.entries {
 		if en.Mount == mount && en.FID != 0 {
 			figs = append(figs, en.figure())
 		}

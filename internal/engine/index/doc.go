@@ -1,7 +1,10 @@
 // Package index is the engine's index part: what the engine knows is
-// stored (the published files, by id, path and key), the paths its jobs
-// hold (Flight) and the reads of files that discoveries make (ReadMark).
-// Its lock and state are its own: every operation the engine calls is
+// stored (the published files, by id, path and key: Files), their counts
+// by namespace (Counts), the paths its jobs hold (Flight) and the reads
+// of files that discoveries make (ReadMark: Flights), the entries' pins
+// and the restart hold's (Pins), and the files that left the index but
+// are still on disk (Leaving). Index composes those parts under one lock;
+// its lock and state are its own: every operation the engine calls is
 // whole, one hold of the lock, and only the index changes an entry's
 // counts (pins, client pins, hits, last access, the restart hold's
 // marks). It tells the space part of the bytes its files hold on each

@@ -113,39 +113,39 @@ func TestCheckFindsEachBrokenInvariant(t *testing.T) {
 		corrupt func(ix *Index, sp *fakeSpace)
 		want    string
 	}{
-		{"an indexed entry marked gone", func(ix *Index, _ *fakeSpace) { ix.byPath["/m/x"].gone = true }, "indexed and gone"},
-		{"an entry under another id", func(ix *Index, _ *fakeSpace) { ix.byPath["/m/x"].ID = 7 }, "under id"},
-		{"a path mapping to another entry", func(ix *Index, _ *fakeSpace) { ix.byPath["/m/x"] = ix.byPath["/m/y"] }, "maps to"},
+		{"an indexed entry marked gone", func(ix *Index, _ *fakeSpace) { ix.files.byPath["/m/x"].gone = true }, "indexed and gone"},
+		{"an entry under another id", func(ix *Index, _ *fakeSpace) { ix.files.byPath["/m/x"].ID = 7 }, "under id"},
+		{"a path mapping to another entry", func(ix *Index, _ *fakeSpace) { ix.files.byPath["/m/x"] = ix.files.byPath["/m/y"] }, "maps to"},
 		{"a key of an entry that does not hold it", func(ix *Index, _ *fakeSpace) {
-			ix.byKey[KeyID{1, "c"}] = keyRef{e: ix.byPath["/m/x"], idx: 0}
+			ix.files.byKey[KeyID{1, "c"}] = keyRef{e: ix.files.byPath["/m/x"], idx: 0}
 		}, "does not hold it"},
 		{"a key of another fingerprint", func(ix *Index, _ *fakeSpace) {
-			ix.byKey[KeyID{2, "a"}] = keyRef{e: ix.byPath["/m/x"], idx: 0}
+			ix.files.byKey[KeyID{2, "a"}] = keyRef{e: ix.files.byPath["/m/x"], idx: 0}
 		}, "does not hold it"},
-		{"more leases than pins", func(ix *Index, _ *fakeSpace) { ix.byPath["/m/x"].leases = 1 }, "leases"},
+		{"more leases than pins", func(ix *Index, _ *fakeSpace) { ix.files.byPath["/m/x"].leases = 1 }, "leases"},
 		{"an orphan still indexed", func(ix *Index, _ *fakeSpace) {
-			ix.inflight["/m/x"] = &Flight{orphans: []*Entry{ix.byPath["/m/x"]}}
+			ix.flights.inflight["/m/x"] = &Flight{orphans: []*Entry{ix.files.byPath["/m/x"]}}
 		}, "orphan"},
 		{"used beside the files at rest", func(_ *Index, sp *fakeSpace) { sp.mounts[0].used += 10 }, "at rest"},
 		{"a held entry missing from its mount's held entries", func(ix *Index, _ *fakeSpace) {
-			en := ix.byPath["/m/x"]
+			en := ix.files.byPath["/m/x"]
 			en.held, en.pins = true, 1
 		}, "missing from mount 0's held entries"},
 		{"a held entry under another mount", func(ix *Index, _ *fakeSpace) {
-			en := ix.byPath["/m/x"]
-			ix.holdLocked(en)
-			ix.heldOrder[0] = nil
-			ix.heldOrder[1] = []*Entry{en}
+			en := ix.files.byPath["/m/x"]
+			ix.pins.holdLocked(en)
+			ix.pins.heldOrder[0] = nil
+			ix.pins.heldOrder[1] = []*Entry{en}
 		}, "missing from mount 0's held entries"},
 		{"an entry not held in the hold's count", func(ix *Index, _ *fakeSpace) {
-			ix.heldN = 1
+			ix.pins.heldN = 1
 		}, "0 entries held by the restart hold, 1 in the hold's count"},
-		{"a namespace's keys miscounted", func(ix *Index, _ *fakeSpace) { ix.byFP[1].Keys++ }, "fingerprint 0x1"},
-		{"a namespace's bytes miscounted", func(ix *Index, _ *fakeSpace) { ix.byFP[1].Bytes-- }, "fingerprint 0x1"},
-		{"a namespace with nothing indexed counted", func(ix *Index, _ *fakeSpace) { ix.byFP[9] = &FPCount{} }, "2 counted"},
+		{"a namespace's keys miscounted", func(ix *Index, _ *fakeSpace) { ix.counts.byFP[1].Keys++ }, "fingerprint 0x1"},
+		{"a namespace's bytes miscounted", func(ix *Index, _ *fakeSpace) { ix.counts.byFP[1].Bytes-- }, "fingerprint 0x1"},
+		{"a namespace with nothing indexed counted", func(ix *Index, _ *fakeSpace) { ix.counts.byFP[9] = &FPCount{} }, "2 counted"},
 		{"a held entry missing from its mount's order of held entries", func(ix *Index, _ *fakeSpace) {
-			ix.holdLocked(ix.byPath["/m/x"])
-			ix.heldOrder[0] = nil
+			ix.pins.holdLocked(ix.files.byPath["/m/x"])
+			ix.pins.heldOrder[0] = nil
 		}, "missing from mount 0's held entries"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -165,14 +165,14 @@ func TestCheckFindsEachBrokenInvariant(t *testing.T) {
 func TestIndexKeepsTheSpaceOfItsEntries(t *testing.T) {
 	ix, sp := newParts(t)
 	ms := sp.mounts[0]
-	x, y := ix.Get(1, []byte("a")), ix.Get(1, []byte("c"))
+	x, y := ix.files.Get(1, []byte("a")), ix.files.Get(1, []byte("c"))
 	ix.mu.Lock()
 	// A file replacing x at its path (its bytes a reservation already
 	// counted), then y dropped for removal with its path held by a job.
 	sp.Left(0, 100) // the reservation
 
 	replaced := ix.insertLocked(&Entry{FP: 1, Path: "/m/x", Size: 100, Keys: []string{"a"}}, true)
-	ix.claimLocked("/m/y")
+	ix.flights.claimLocked("/m/y")
 	was, claimed := ix.dropLocked(y, true)
 	ix.mu.Unlock()
 	if len(replaced) != 1 || replaced[0] != x || !x.gone {
@@ -181,7 +181,7 @@ func TestIndexKeepsTheSpaceOfItsEntries(t *testing.T) {
 	if !was || claimed || !y.orphan {
 		t.Fatalf("drop of y with its path held: was %v, claimed %v, orphan %v; want an orphan of the holder", was, claimed, y.orphan)
 	}
-	if got := ix.Get(1, []byte("b")); got != nil {
+	if got := ix.files.Get(1, []byte("b")); got != nil {
 		t.Fatalf("key b of the replaced file still maps to %s", got.Path)
 	}
 	if used := ms.used; used != 200 || ms.entries != 1 || ms.orphaned != 100 {
@@ -221,16 +221,16 @@ func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
 	cold := &Entry{FP: 1, Path: "/cold/c", Size: 100, Keys: []string{"c"}, Mount: 1}
 	for _, en := range []*Entry{hot1, hot2, cold} {
 		ix.insertLocked(en, false)
-		ix.holdLocked(en)
+		ix.pins.holdLocked(en)
 	}
 	ix.mu.Unlock()
-	if n := ix.heldFoundLocked(); n != 3 {
+	if n := ix.pins.HeldFound(); n != 3 {
 		t.Fatalf("heldFoundLocked = %d, want 3", n)
 	}
-	if len(ix.heldOrder[0]) != 2 || len(ix.heldOrder[1]) != 1 {
-		t.Fatalf("held by mount: %d on the hot mount, %d on the cold one; want 2 and 1", len(ix.heldOrder[0]), len(ix.heldOrder[1]))
+	if len(ix.pins.heldOrder[0]) != 2 || len(ix.pins.heldOrder[1]) != 1 {
+		t.Fatalf("held by mount: %d on the hot mount, %d on the cold one; want 2 and 1", len(ix.pins.heldOrder[0]), len(ix.pins.heldOrder[1]))
 	}
-	if ix.heldOrder[1][0] != cold {
+	if ix.pins.heldOrder[1][0] != cold {
 		t.Fatal("the cold mount's held entries lack its file")
 	}
 	if err := ix.Check(); err != nil {
@@ -242,7 +242,7 @@ func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
 	if hot1.held || hot1.pins != 0 {
 		t.Fatalf("an entry gone from the index: held %v, pins %d; want not held, 0", hot1.held, hot1.pins)
 	}
-	if n := ix.heldFoundLocked(); n != 2 {
+	if n := ix.pins.HeldFound(); n != 2 {
 		t.Fatalf("heldFoundLocked = %d after one held entry left, want 2", n)
 	}
 	if err := ix.Check(); err != nil {
@@ -263,7 +263,7 @@ func heldIndex(t testing.TB, n int) *Index {
 		}
 		en := &Entry{FP: 1, Path: fmt.Sprintf("%s/%d", root, i), Size: 100, Keys: []string{fmt.Sprintf("key-%d", i)}, Mount: mnt}
 		ix.insertLocked(en, false)
-		ix.holdLocked(en)
+		ix.pins.holdLocked(en)
 	}
 	ix.mu.Unlock()
 	return ix
@@ -279,7 +279,7 @@ func TestHeldVisitsInChunksSeeEntriesAsTheyAreThen(t *testing.T) {
 	n := 2*heldChunk + 3
 	ix := heldIndex(t, n)
 	count := func(mnt int) (visited int) {
-		ix.inHeldChunks(mnt, func(*Entry) { visited++ })
+		ix.pins.inHeldChunks(mnt, func(*Entry) { visited++ })
 		return visited
 	}
 	if got := count(0); got != n {
@@ -288,10 +288,10 @@ func TestHeldVisitsInChunksSeeEntriesAsTheyAreThen(t *testing.T) {
 	if got := count(1); got != 3 {
 		t.Fatalf("visited %d entries of mount 1, want 3", got)
 	}
-	order := ix.heldOrder[0]
+	order := ix.pins.heldOrder[0]
 	last := order[len(order)-1] // visited in the last chunk
 	visited, held, chunks := 0, 0, 0
-	ix.inHeldChunks(0, func(en *Entry) {
+	ix.pins.inHeldChunks(0, func(en *Entry) {
 		if ix.mu.TryRLock() {
 			ix.mu.RUnlock()
 			t.Fatal("an entry visited without the index's write lock")
@@ -331,7 +331,7 @@ func BenchmarkHeldChunkLift(b *testing.B) {
 	recs := make([]abi.AccessRecord, 0, files)
 	for b.Loop() {
 		recs = recs[:0]
-		ix.inHeldChunks(0, func(en *Entry) {
+		ix.pins.inHeldChunks(0, func(en *Entry) {
 			if en.held && en.pins == 1 {
 				en.lifted = !en.lifted
 				recs = append(recs, en.Access(abi.AccessUnpin, 1))

@@ -9,31 +9,31 @@ import (
 // for the engine's tests: each takes the index's lock once.
 
 // ByPath returns the entry indexed at path, or nil.
-func (ix *Index) ByPath(path string) *Entry {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	return ix.byPath[path]
+func (f *Files) ByPath(path string) *Entry {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.byPath[path]
 }
 
 // Entries returns the indexed entries.
-func (ix *Index) Entries() []*Entry {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	return slices.Collect(maps.Values(ix.entries))
+func (f *Files) Entries() []*Entry {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return slices.Collect(maps.Values(f.entries))
 }
 
 // LeftOnDisk returns the entries dropped whose file could not be removed.
-func (ix *Index) LeftOnDisk() []*Entry {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	return slices.Collect(maps.Values(ix.left))
+func (l *Leaving) LeftOnDisk() []*Entry {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return slices.Collect(maps.Values(l.left))
 }
 
 // Keys returns the keys indexed.
-func (ix *Index) Keys() []KeyID {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	return slices.Collect(maps.Keys(ix.byKey))
+func (f *Files) Keys() []KeyID {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return slices.Collect(maps.Keys(f.byKey))
 }
 
 // Inspect calls fn with the index's lock held, where fn may read the
@@ -69,41 +69,41 @@ func (ix *Index) Forget(en *Entry) {
 func (ix *Index) ForgetAndClaim(path string) bool {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	ix.unindexLocked(ix.byPath[path], false)
-	claimed, _ := ix.claimLocked(path)
+	ix.unindexLocked(ix.files.byPath[path], false)
+	claimed, _ := ix.flights.claimLocked(path)
 	return claimed
 }
 
 // ForgetKey drops key of fingerprint fp from the index, its file still
 // indexed, as when a newer file took the key.
-func (ix *Index) ForgetKey(fp uint64, key []byte) {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	delete(ix.byKey, KeyID{fp, string(key)})
-	ix.byFP[fp].Keys-- // as unindexLocked counts a key it deletes
+func (f *Files) ForgetKey(fp uint64, key []byte) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.byKey, KeyID{fp, string(key)})
+	f.counts.byFP[fp].Keys-- // as unindexLocked counts a key it deletes
 }
 
 // AddUnlinked indexes ens by id only (not by path or key), counted as
 // files of fingerprint fp, as a benchmark of a scan of many entries does,
 // and returns the function that removes them again.
-func (ix *Index) AddUnlinked(fp uint64, ens func(id uint64) *Entry, n int) (remove func()) {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	base := ix.lastID + 1
+func (f *Files) AddUnlinked(fp uint64, ens func(id uint64) *Entry, n int) (remove func()) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	base := f.lastID + 1
 	for i := range uint64(n) {
 		en := ens(base + i)
 		en.ID = base + i
-		ix.entries[base+i] = en
+		f.entries[base+i] = en
 	}
-	ix.countOf(fp).Files += n
+	f.counts.countOf(fp).Files += n
 	return func() {
-		ix.mu.Lock()
-		defer ix.mu.Unlock()
+		f.mu.Lock()
+		defer f.mu.Unlock()
 		for i := range uint64(n) {
-			delete(ix.entries, base+i)
+			delete(f.entries, base+i)
 		}
-		c := ix.countOf(fp)
+		c := f.counts.countOf(fp)
 		c.Files -= n
-		ix.dropEmptyLocked(fp, c)
+		f.counts.dropEmptyLocked(fp, c)
 	}
 }
