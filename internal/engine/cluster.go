@@ -201,7 +201,7 @@ func (h clusterHost) Rank(ctx context.Context, recs []abi.RankRecord) (bool, err
 // afresh. It returns their errors once the walk is done (the caller walks
 // again). The temporary
 // files of those nodes it adds to temps, with their owner's tag
-// (cluster.Mount's cleanTemps). It returns how many files it indexed.
+// (the cluster Mount's adoption part: cleanTemps). It returns how many files it indexed.
 func (h clusterHost) AdoptFiles(ctx context.Context, tags map[uint32]bool, temps map[string]uint32) (int, error) {
 	e, m := h.e, h.m
 	n := 0

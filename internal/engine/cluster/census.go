@@ -143,26 +143,26 @@ func (c *Mount) runCensus(ctx context.Context) error {
 	return nil
 }
 
-// censusUntagged is what the last census found of the files no summary
+// untagged is what the census found of the files no summary
 // counts: the bytes of those without an owner tag and of tags not in
 // named, one of their paths, and the writers named by temporary files
 // that are not in nodes (the nodes with summaries, this one included).
-// Called with c.mu held.
-func (c *Mount) censusUntagged(named map[uint32]bool, nodes map[string]bool) (bytes int64, path string, writers []string) {
-	if !c.census.done {
+// Called with Mount.mu held.
+func (cs *census) untagged(named map[uint32]bool, nodes map[string]bool) (bytes int64, path string, writers []string) {
+	if !cs.done {
 		return 0, "", nil
 	}
-	bytes, path = c.census.noID, c.census.noIDPath
-	for tag, n := range c.census.tags {
+	bytes, path = cs.noID, cs.noIDPath
+	for tag, n := range cs.tags {
 		if named[tag] {
 			continue
 		}
 		bytes += n
-		if p := c.census.paths[tag]; path == "" || p < path {
+		if p := cs.paths[tag]; path == "" || p < path {
 			path = p
 		}
 	}
-	for w := range c.census.writers {
+	for w := range cs.writers {
 		if !nodes[w] {
 			writers = append(writers, w)
 		}

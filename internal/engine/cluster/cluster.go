@@ -5,12 +5,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"maps"
-	"os"
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
@@ -30,14 +29,12 @@ const maxRewalkIntervals = 32
 // Mount is the cluster state of one mount (Open).
 type Mount struct {
 	Group // what it works with of the engine's; immutable
-	dir   *clustercap.Dir
+	site  // what its parts work with; immutable
 	// configured is the bound this node's configuration gives; bound
 	// the one in force, agreed with the other nodes (clustercap.Agree:
 	// the smallest configured among the running nodes), under mu.
 	configured clustercap.Bound
 	bound      clustercap.Bound
-	interval   time.Duration
-	tag        uint32
 	run        int64 // when this run started (Summary.Run)
 
 	mu  sync.Mutex // guards the rest; one claim or tick at a time
@@ -81,6 +78,20 @@ type Mount struct {
 	ahead map[uint64]int64
 }
 
+// site is what the parts of a Mount (its groups of state: clusterView,
+// clusterAgree, clusterAdoption, clusterFlocks, clusterTwin, census)
+// work with beside their own fields, fixed at Open: the mount's cluster
+// directory, root and log, this node's id and owner tag, and the
+// interval. A part's methods take it as an argument and reach nothing
+// else of the Mount.
+type site struct {
+	dir        *clustercap.Dir
+	root, node string // Group.Root, Group.Node
+	log        *slog.Logger
+	tag        uint32
+	interval   time.Duration
+}
+
 // clusterView is what the last read of a cluster mount's directory found
 // of the other nodes (guarded by Mount.mu).
 type clusterView struct {
@@ -108,163 +119,6 @@ type clusterView struct {
 	// the room their files take.
 	unknown map[string]bool
 }
-
-// clusterAgree is what this node checked of the others' summaries: the
-// bound agreed, claims that cannot hold, other policies and rank scales,
-// and the files the summaries must count (guarded by Mount.mu).
-type clusterAgree struct {
-	from    string           // the node whose configured capacity the bound is
-	capSaid map[string]int64 // the peers whose other capacity was logged, with it
-	// untenable holds the nodes whose summary's claim cannot hold, with
-	// that summary's Seq: ignored, logged once while they stay so.
-	untenable map[string]uint64
-	policies  map[string]string // the peers of another policy logged, with it
-	odd       map[string]bool   // the peers whose ranks were logged as of another scale
-	// files holds, by owner tag, the bytes of the other nodes' files this
-	// node indexes on the mount (count): a summary counts at least them.
-	files map[uint32]int64
-	// all is files with every entry of the tag, seen lately or not: those
-	// of tags no summary names count as untagged (agree) while indexed.
-	all   map[uint32]int64
-	paths map[uint32]string // by owner tag: one of all's paths, for a warning
-	// untagged is the bytes of files without an owner tag this node
-	// indexes on the mount (count), one of them at untaggedPath;
-	// untaggedAll the most any running node reports (read), counted
-	// against the bound once (others); untaggedSaid the amount last
-	// logged.
-	untagged, untaggedAll, untaggedSaid int64
-	untaggedPath, untaggedFrom          string
-	writersSaid                         string // the writers the last warning of them named
-	// unowned is the bytes of files with no file id (written before ids)
-	// this node indexes on the mount (count), one of them at
-	// unownedPath: agree adds those of tags no summary names to make
-	// untagged.
-	unowned     int64
-	unownedPath string
-	forgedSaid  bool // a summary under this node's name that it did not write was logged
-	// held holds, per peer whose lock was probed for a field that counts
-	// only from a running node (heldLocked), what the probe found.
-	held map[string]heldProbe
-	// refused holds the fields of peers' summaries refused (refuse), by
-	// node and field: logged once while they stay so; refusing is the
-	// current read's.
-	refused, refusing map[string]bool
-	// lockFiles holds, per peer whose lock file was looked for
-	// (checkClaims), the summary's Seq then and whether the file was
-	// missing.
-	lockFiles map[string]lockFile
-	// largest is the largest file this node counted or reserved on the
-	// mount: the bound's floor is one such file per live node.
-	largest int64
-}
-
-// lockFile is whether a peer's lock file was missing at its summary seq.
-type lockFile struct {
-	seq     uint64
-	missing bool
-}
-
-// heldProbe is what a probe of a peer's lock found (heldLocked).
-type heldProbe struct {
-	run  int64  // the peer's run (Summary.Run) at the probe
-	seq  uint64 // its summary's Seq at the probe
-	at   int64  // when (Unix ns)
-	held bool   // the lock was held
-}
-
-// boundFloorFraction: no bound below this fraction of this node's
-// configured capacity is applied (checkFields).
-const boundFloorFraction = 16
-
-// clusterAdoption is the dead nodes this node adopted on a cluster mount
-// and the walks of their files (guarded by Mount.mu but where a
-// field says otherwise).
-type clusterAdoption struct {
-	// dead holds the tags of the dead nodes this node adopted (it holds
-	// their adoption locks: their files are its to count and evict);
-	// replaced whole under mu, read anywhere (MayEvict).
-	dead atomic.Pointer[map[uint32]bool]
-	// walked holds the adopted tags whose files a walk of the mount has
-	// indexed whole (adoptFiles without an error), each with the run of
-	// the dead node it walked for (runOf its summary then): the others are
-	// walked again, a tag newly adopted, or of a node found dead after a
-	// run since the walk, at once, one adopted before at the first read
-	// from rewalkAt (Unix ns), which each failed walk puts off by
-	// rewalkWait, doubled from one interval up to maxRewalkIntervals: a
-	// directory that stays unreadable must not cost a walk of the whole
-	// mount, under mu, at every read.
-	walked     map[uint32]int64
-	rewalkAt   int64
-	rewalkWait time.Duration
-	// temps holds the temporary files of adopted nodes that a walk found
-	// and that are not gone yet (younger than temp_grace, or their removal
-	// failed), with their owner's tag: each read tries them again
-	// (cleanTemp).
-	temps map[string]uint32
-}
-
-// clusterFlocks is what this node found of flocks shared with the other
-// nodes of a cluster mount (guarded by Mount.mu).
-type clusterFlocks struct {
-	// shared holds the nodes with which this node found flocks shared on
-	// the mount (Summary.LockShared), while a summary of theirs is on the
-	// mount (forgetGone): a probe of
-	// the node's lock found it held while the node ran (its summary
-	// fresh, or stale with its lock held), or its summary names this
-	// node. A free lock proves a node dead only where flocks are so
-	// shared (mayAdopt): on a mount whose flocks stay on each node every
-	// probe finds another node's lock free.
-	shared map[string]bool
-	// probes holds, per running node not in shared, this node's probes of
-	// its lock (probeLocks), while a summary of its is on the mount
-	// (forgetGone).
-	probes map[string]*lockProbe
-	// unproven holds the dead nodes not adopted for want of shared
-	// flocks, as the last read found them (logged once).
-	unproven map[string]bool
-	// shadowed holds the dead nodes not adopted because a running peer
-	// carries their owner tag (read), as the last read found them
-	// (logged once).
-	shadowed map[string]bool
-}
-
-// clusterTwin is what this node found of nodes of its own owner tag: a
-// twin of another node_id, or a second copy of itself (guarded by
-// Mount.mu but where a field says otherwise).
-type clusterTwin struct {
-	// twin is a running node whose summary carries this node's owner tag,
-	// as the last read found ("" if none): another node_id of the tag that
-	// the start's check did not see (both started at once). Neither can
-	// tell its files from the other's, so while twinned this node removes
-	// none of the tag's (mayEvict: twinned is read anywhere).
-	twin    string
-	twinned atomic.Bool
-	// copied: at the last tick another process held this node's lock file
-	// (clustercap.Dir.Relock), a second copy of this node: set the twin.
-	copied bool
-	// heldTicks counts the ticks running at which another process held
-	// it: a second copy is logged as such at the second (relock).
-	heldTicks int
-}
-
-// lockProbe is this node's probing of a running node's lock (probeLocks).
-type lockProbe struct {
-	at   int64  // the last probe (Unix ns)
-	seq  uint64 // the node's summary at the last probe that found the lock free
-	run  int64  // the node's run (Summary.Run) at that probe
-	free int    // probes that found it free, each with the node's summary grown since the last
-	said bool   // logged that flocks are not shared with it
-}
-
-// Lock probes of running nodes (probeLocks).
-const (
-	// maxLockProbes bounds the probes of one read.
-	maxLockProbes = 4
-	// UnsharedProbes is how many probes must find a running node's lock
-	// free, its summary growing in between, before this node logs that
-	// flocks are not shared with it.
-	UnsharedProbes = 3
-)
 
 // MayEvict reports whether this node may remove en's file: on the
 // mount, only its own files and those of the dead nodes it adopted, and
@@ -423,7 +277,7 @@ func (c *Mount) policyRanks(ctx context.Context, own, foreign []ranked) {
 func (c *Mount) read(ctx context.Context) error {
 	sums, bad, err := c.dir.ReadAll()
 	if err != nil {
-		c.releaseAll()
+		c.clusterAdoption.releaseAll(&c.site)
 		return err
 	}
 	now := c.Host.Now().UnixNano()
@@ -471,7 +325,7 @@ func (c *Mount) read(ctx context.Context) error {
 			c.Log.Info("engine: cluster: adopted the files of dead nodes", "mount", c.Root, "files", n)
 			c.own += c.bytesOf(walk) - before
 		}
-		c.cleanTemps(dead)
+		c.clusterAdoption.cleanTemps(&c.site, c.Host, dead)
 		// The dead nodes this node's count covers whole: walked. Taken
 		// before retire, which forgets those it retires (covered too).
 		walked := map[string]bool{}
@@ -580,7 +434,7 @@ func (c *Mount) read(ctx context.Context) error {
 		twin = c.Node + " (another copy: it holds this node's lock file)"
 	}
 	c.watch.See(c.peers, now)
-	c.setTwin(twin, copied)
+	c.clusterTwin.setTwin(&c.site, twin, copied)
 	c.readBad(bad, read, now, adoptProven)
 	deadSums = c.agree(now, deadSums)
 	// A dead node whose owner tag a running peer carries (another node_id
@@ -612,7 +466,7 @@ func (c *Mount) read(ctx context.Context) error {
 	c.shadowed = shadowed
 	c.forgetGone(read)
 	c.fresh = fresh
-	c.noteUnproven(unproven)
+	c.clusterFlocks.noteUnproven(&c.site, unproven)
 	for node := range c.bad {
 		if read[node] {
 			stood[node] = true
@@ -650,7 +504,7 @@ func (c *Mount) read(ctx context.Context) error {
 // held.
 func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summary {
 	c.refusing = map[string]bool{}
-	c.checkFields(now)
+	c.clusterAgree.checkFields(&c.site, c.peers, c.configured.Capacity, now)
 	first, _ := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
 	untenable := map[string]uint64{}
 	ignore := func(s *clustercap.Summary, why string) {
@@ -678,7 +532,7 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 		kept = append(kept, p)
 	}
 	c.peers = kept
-	c.checkClaims()
+	c.clusterAgree.checkClaims(&c.site, c.peers)
 	c.refused = c.refusing
 	bound, from := clustercap.Agree(c.configured.Capacity, c.Node, c.peers)
 	var counted []*clustercap.Summary
@@ -763,7 +617,7 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 	for _, node := range c.dir.Adopted() {
 		nodes[node] = true
 	}
-	found, path, writers := c.censusUntagged(named, nodes)
+	found, path, writers := c.census.untagged(named, nodes)
 	if found > c.untagged {
 		c.untagged, c.untaggedPath = found, path
 	}
@@ -782,113 +636,6 @@ func (c *Mount) agree(now int64, dead []*clustercap.Summary) []*clustercap.Summa
 	return counted
 }
 
-// checkFields checks the fields of the live peers' summaries (c.peers)
-// that only a running node may state and that would stop every node's
-// stores, or evict every node's files, if false: a capacity below this
-// node's configured one (it lowers the bound), untagged bytes (they
-// count against it) and a cut-off (every node evicts below it). Each
-// counts only from a node whose lock is held (heldLocked: anyone may
-// write a summary, but only a running node holds its lock), and a
-// capacity only at or above the bound's floor: a sixteenth of this
-// node's configured capacity, and one file (the largest this node saw)
-// per live node. A field refused is left out of the peer's summary as
-// this node counts it, with one warning naming the summary file while
-// it stays so. Called with c.mu held.
-func (c *Mount) checkFields(now int64) {
-	floor := max(c.configured.Capacity/boundFloorFraction, int64(len(c.peers)+1)*c.largest)
-	for i, p := range c.peers {
-		lowers := p.Capacity > 0 && p.Capacity < c.configured.Capacity
-		if !lowers && p.Untagged == 0 && p.Cut == 0 {
-			continue
-		}
-		g := *p
-		held := c.heldLocked(p, now)
-		switch {
-		case lowers && !held:
-			c.refuse(p, "capacity", p.Capacity, "its node holds no lock, so runs nowhere: a capacity from it never lowers the bound")
-			g.Capacity = 0
-		case lowers && p.Capacity < floor:
-			c.refuse(p, "capacity", p.Capacity, fmt.Sprintf("below the floor of a bound, %d bytes: a sixteenth of this node's configured %d, and one file of %d bytes per live node", floor, c.configured.Capacity, c.largest))
-			g.Capacity = 0
-		}
-		if p.Untagged > 0 && !held {
-			c.refuse(p, "untagged", p.Untagged, "its node holds no lock, so runs nowhere: untagged bytes count only as seen by this node or a running one")
-			g.Untagged = 0
-		}
-		if p.Cut > 0 && !held {
-			c.refuse(p, "cut", int64(min(p.Cut, uint64(clustercap.MaxBytes))), "its node holds no lock, so runs nowhere: its cut-off evicts nothing here")
-			g.Cut, g.CutTime = 0, 0
-		}
-		c.peers[i] = &g
-	}
-}
-
-// checkClaims checks the claims of the live peers' summaries (c.peers,
-// after the claims that cannot hold were left out): a summary whose
-// node has no lock file on the mount (a running node locks its file
-// again at its next interval; a stray or forged summary has none)
-// counts no bytes, claim or sketch of its own, only the files of its
-// tag this node finds (clustercap.AtLeast), with one warning naming the
-// file. The lock file is looked for once per summary Seq. Called with
-// c.mu held.
-func (c *Mount) checkClaims() {
-	if c.lockFiles == nil {
-		c.lockFiles = map[string]lockFile{}
-	}
-	for i, p := range c.peers {
-		if p.Claim == 0 {
-			continue
-		}
-		lf, ok := c.lockFiles[p.Node]
-		if !ok || lf.seq != p.Seq {
-			lf = lockFile{seq: p.Seq, missing: c.dir.LockMissing(p.Node)}
-			c.lockFiles[p.Node] = lf
-		}
-		if !lf.missing {
-			continue
-		}
-		c.refuse(p, "claim", p.Claim, "its node has no lock file on the mount, so runs nowhere: its claim and bytes count nothing but the files of its tag this node finds")
-		g := *p
-		g.Bytes, g.Claim, g.Sketch, g.Cut, g.CutTime, g.Touches = 0, 0, clustercap.Sketch{}, 0, 0, nil
-		c.peers[i] = &g
-	}
-}
-
-// refuse records field of p's summary, of value v, as refused for why
-// (checkFields, checkClaims): logged, naming the summary file, once
-// while it stays so. Called with c.mu held.
-func (c *Mount) refuse(p *clustercap.Summary, field string, v int64, why string) {
-	key := p.Node + "\x00" + field
-	c.refusing[key] = true
-	if !c.refused[key] {
-		c.Log.Warn("engine: cluster: a summary states what this node cannot take as true: refused, the field not counted (a forged or corrupt summary, or a node configured far below the others); remove the file if no such node runs",
-			"mount", c.Root, "summary", c.dir.SummaryPath(p.Node), "field", field, "value", v, "why", why)
-	}
-}
-
-// heldLocked reports whether p's node holds its lock: a probe found it
-// held in p's run, or finds it so now. A probe that found it free is
-// taken again at p's next summary, at most once an interval, so that
-// neither a summary that stays (a forged one) nor a node whose flocks
-// do not reach this one costs a probe on every store's claim raise.
-// Called with c.mu held.
-func (c *Mount) heldLocked(p *clustercap.Summary, now int64) bool {
-	if c.held == nil {
-		c.held = map[string]heldProbe{}
-	}
-	h, ok := c.held[p.Node]
-	switch {
-	case ok && h.held && h.run == p.Run:
-		return true
-	case ok && !h.held && (h.seq == p.Seq || now-h.at < int64(c.interval)):
-		return false
-	}
-	free, err := c.dir.LockFree(p.Node)
-	h = heldProbe{run: p.Run, seq: p.Seq, at: now, held: err == nil && !free}
-	c.held[p.Node] = h
-	return h.held
-}
-
 // forgetGone forgets the pairings and probes of the nodes that have no
 // summary on the mount any more, readable (read) or not (c.bad): retired
 // (by this node or another), or removed by hand. Nodes come and go under
@@ -905,127 +652,11 @@ func (c *Mount) forgetGone(read map[string]bool) {
 	maps.DeleteFunc(c.lockFiles, func(node string, _ lockFile) bool { return gone(node) })
 }
 
-// probeLocks probes, once a tick, the locks of running nodes (fresh:
-// their summaries are fresh) with which flocks are not yet found shared
-// (c.shared), at most maxLockProbes of them, those probed longest ago
-// first: a lock found held proves flocks shared between the two nodes (a
-// probe reaches the other's lock), so that its being free may later prove
-// the other dead (read). A node whose lock is found free UnsharedProbes
-// times, its summary grown between each two, ran through the probes:
-// flocks do not reach between the two nodes (an NFS mount with
-// local_lock=flock, local_lock=all or nolock on either), and this node
-// says so, once; but not of a node without a lock file, nor where this
-// node found flocks shared with another node: such a summary is stray
-// or forged (or its node's own mount keeps flocks local), which a
-// warning naming the summary file says, once. Called with c.mu held.
-func (c *Mount) probeLocks(fresh []*clustercap.Summary, now int64) {
-	var due []*clustercap.Summary
-	for _, s := range fresh {
-		if c.shared[s.Node] {
-			delete(c.probes, s.Node)
-			continue
-		}
-		if c.probes[s.Node] == nil {
-			c.probes[s.Node] = &lockProbe{}
-		}
-		due = append(due, s)
-	}
-	slices.SortFunc(due, func(a, b *clustercap.Summary) int { return cmp.Compare(c.probes[a.Node].at, c.probes[b.Node].at) })
-	for _, s := range due[:min(len(due), maxLockProbes)] {
-		p := c.probes[s.Node]
-		p.at = now
-		free, err := c.dir.LockFree(s.Node)
-		switch {
-		case err != nil:
-			c.Log.Debug("engine: cluster lock probe of a running node", "mount", c.Root, "node", s.Node, "err", err)
-		case !free:
-			c.shared[s.Node] = true
-			delete(c.probes, s.Node)
-			c.Log.Debug("engine: cluster: flocks shared with another node", "mount", c.Root, "node", s.Node)
-		case s.Run != p.run:
-			// Another run of the node since the last free probe: it
-			// restarted in between (its lock free while it was down), which
-			// says nothing of whether flocks reach it. Counted anew.
-			p.free, p.seq, p.run = 1, s.Seq, s.Run
-		case c.dir.LockMissing(s.Node) || len(c.shared) > 0:
-			// No lock file at all: no node runs under the name (a running
-			// one locks its file again at its next interval). Or flocks
-			// reach between this node and another: a free lock says more of
-			// the summary than of the file system. Either way a stray or
-			// forged summary, or (a lock file there) a node whose own mount
-			// keeps its flocks local: not the diagnosis below.
-			if !p.said {
-				p.said = true
-				c.Log.Warn("engine: cluster: a fresh summary whose node does not hold its lock (no process holds its lock file, or there is none), where this node found flocks shared with another node or the lock file missing: a stray or forged summary, or a node whose mount keeps its flocks local; it is never adopted while its summary stays fresh; remove the file if no such node runs",
-					"mount", c.Root, "summary", c.dir.SummaryPath(s.Node), "lock_file_missing", c.dir.LockMissing(s.Node), "shared_with", len(c.shared))
-			}
-		case p.free == 0 || s.Seq > p.seq:
-			p.free++
-			p.seq = s.Seq
-			if p.free >= UnsharedProbes && !p.said {
-				p.said = true
-				c.Log.Error("engine: cluster: another node's lock file reads free while it runs: flocks do not reach between the two nodes (an NFS mount with local_lock=flock, local_lock=all or nolock?); neither will take the other for dead, and a dead node's files stay counted but not evicted until it runs again",
-					"mount", c.Root, "node", s.Node, "probes", p.free)
-			}
-		}
-	}
-}
-
-// noteUnproven logs, once per node while it stays so, each dead node
-// (unproven) that this node does not adopt for want of shared flocks
-// (c.shared): its lock's being free proves nothing. Called with c.mu
-// held.
-func (c *Mount) noteUnproven(unproven map[string]bool) {
-	for node := range unproven {
-		if !c.unproven[node] {
-			c.Log.Warn("engine: cluster: a node looks dead (summary stale, lock free), but this node never found flocks shared with it, so a free lock proves nothing: not adopted; its files stay, evicted by no node, until it runs again",
-				"mount", c.Root, "node", node)
-		}
-	}
-	c.unproven = unproven
-}
-
-// lockShared names the nodes with which this node found flocks shared
-// (Summary.LockShared), at most clustercap.MaxAdopted of them. Called
-// with c.mu held.
-func (c *Mount) lockShared() []string {
-	out := slices.Sorted(maps.Keys(c.shared))
-	return out[:min(len(out), clustercap.MaxAdopted)]
-}
-
 // runOf identifies the run of a dead node by its last summary s: the
 // time s was published. A node publishes no summary once dead, so a
 // summary of another time, read while its adoption is held, means the
 // node ran again since (and may have stored files meanwhile).
 func runOf(s *clustercap.Summary) int64 { return s.Time }
-
-// twinNote says why none of this node's files is evictable while a twin
-// runs (setTwin), naming it; "" without one. Called with c.mu held.
-func (c *Mount) twinNote() string {
-	if c.twin == "" {
-		return ""
-	}
-	return fmt.Sprintf("none of its files evictable while node %q runs with its owner tag", c.twin)
-}
-
-// setTwin records twin, a running node of this node's owner tag that a
-// read found ("" if none), logging when one is found and when none is
-// left; but not a copy of this node (copied: another process holds its
-// lock file), which relock logs, as an error only where it lasts. Called
-// with c.mu held.
-func (c *Mount) setTwin(twin string, copied bool) {
-	switch {
-	case twin == c.twin:
-	case copied:
-	case twin != "":
-		c.Log.Error("engine: cluster: another running node has this node's owner tag; removing none of the tag's files, which cannot be told apart, until one of them runs with another node_id",
-			"mount", c.Root, "node", c.Node, "other", twin, "tag", fmt.Sprintf("%#x", c.tag))
-	default:
-		c.Log.Info("engine: cluster: no other running node has this node's owner tag any more", "mount", c.Root, "other", c.twin)
-	}
-	c.twin = twin
-	c.twinned.Store(twin != "")
-}
 
 // retire retires the dead nodes of dead (names: their names) whose
 // files are all gone: a walk of the mount completed (c.walked), no entry
@@ -1129,19 +760,6 @@ func (c *Mount) readBad(bad []error, read map[string]bool, now int64, adopt func
 	}
 }
 
-// releaseAll gives up the adoption of every dead node: their files are no
-// longer this node's to count or evict (its next count leaves them out).
-// Called with c.mu held.
-func (c *Mount) releaseAll() {
-	c.dead.Store(&map[uint32]bool{})
-	clear(c.walked)
-	for _, node := range c.dir.Adopted() {
-		if err := c.dir.Release(node); err != nil {
-			c.Log.Warn("engine: cluster: adoption lock", "mount", c.Root, "node", node, "err", err)
-		}
-	}
-}
-
 // others is the summaries this node's claims and cut-offs count beside
 // its own: the live peers' and the unclaimed dead nodes'. Called with
 // c.mu held.
@@ -1167,41 +785,13 @@ func (c *Mount) cutsOf(now int64) []*clustercap.Summary {
 	return c.watch.Cuts(c.others(), now, 2*int64(c.interval))
 }
 
-// adoptedNames names the dead nodes whose files c.own counts whole: this
-// node holds their adoption and a walk of the mount for them completed
-// (Summary.Adopted), and no other live summary names them. Called with c.mu held.
-func (c *Mount) adoptedNames() []string {
-	dead := *c.dead.Load()
-	// A node another live summary names adopted is left out: that
-	// summary is its last adopter's, which stopped (a SIGKILL leaves it
-	// fresh for three intervals), and two summaries naming one dead node
-	// would say it has two adopters. This node counts the dead node's
-	// files meanwhile, and so does that summary: twice, on the side of
-	// the bound.
-	named := map[string]bool{}
-	for _, p := range c.peers {
-		for _, n := range p.Adopted {
-			named[n] = true
-		}
-	}
-	var out []string
-	for _, node := range c.dir.Adopted() {
-		tag := clustercap.Tag(node)
-		if _, walked := c.walked[tag]; walked && dead[tag] && !named[node] {
-			out = append(out, node)
-		}
-	}
-	slices.Sort(out)
-	return out
-}
-
 // publish writes c's summary with bytes and c.claim; cut, if non-zero, is
 // a cut-off this node computed now. Called with c.mu held.
 func (c *Mount) publish(sketch clustercap.Sketch, touches []clustercap.Touch, cut uint64) error {
 	c.seq++
 	c.claim = max(c.claim, c.own)
 	s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: c.Node, Tag: c.tag, Seq: c.seq, Time: c.Host.Now().UnixNano(),
-		Interval: int64(c.interval), Bytes: c.own, Claim: max(c.claim, c.want), Sketch: sketch, Touches: touches, Adopted: c.adoptedNames(), LockShared: c.lockShared(),
+		Interval: int64(c.interval), Bytes: c.own, Claim: max(c.claim, c.want), Sketch: sketch, Touches: touches, Adopted: c.clusterAdoption.adoptedNames(&c.site, c.peers), LockShared: c.clusterFlocks.lockShared(),
 		Capacity: c.configured.Capacity, Bound: c.bound.Capacity, BoundFrom: c.from, Policy: c.Policy, Run: c.run, Untagged: c.untagged}
 	switch {
 	case cut > 0:
@@ -1226,14 +816,14 @@ func (c *Mount) Tick(ctx context.Context) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	start := c.Host.Now().UnixNano()
-	c.relock()
+	c.clusterTwin.relock(&c.site)
 	err := c.read(ctx)
 	if ctx.Err() != nil {
 		return // the engine closes, or its start was cancelled: a walk stopped short
 	}
 	c.applyPurges(ctx) // before the count: the files it removes are not counted
 	if err == nil {
-		c.probeLocks(c.fresh, start)
+		c.clusterFlocks.probeLocks(&c.site, c.fresh, start)
 	}
 	own, bytes, touches := c.count(ctx)
 	c.own = bytes
@@ -1262,7 +852,7 @@ func (c *Mount) Tick(ctx context.Context) {
 			sketch = clustercap.NewSketch(items, clustercap.SketchPoints)
 		}
 	}
-	c.checkOwn()
+	c.clusterAgree.checkOwn(&c.site, c.pub, c.own, c.claim)
 	// A tick only lowers the claim: raising it is reserve's write-then-read.
 	c.claim = min(c.claim, c.own+c.bound.Grant(len(c.peers)+1, 0), max(c.own, limit))
 	cut := uint64(0)
@@ -1277,74 +867,6 @@ func (c *Mount) Tick(ctx context.Context) {
 	if c.lost {
 		c.lost = false
 		c.Log.Info("engine: cluster summaries readable again", "mount", c.Root)
-	}
-}
-
-// checkOwn checks that the summary under this node's name is the last
-// one it published: one that is not (a summary forged under its name, say
-// claiming nothing, which the others would count instead of its files)
-// is logged, once while it recurs, and the publication that follows
-// overwrites it. Called with c.mu held, before a tick's publication.
-func (c *Mount) checkOwn() {
-	if c.pub == nil {
-		return
-	}
-	s, err := c.dir.ReadSummary(c.Node)
-	switch {
-	case errors.Is(err, os.ErrNotExist):
-		return // removed (retired, or by hand): published anew
-	case err == nil && s.Seq == c.pub.Seq && s.Time == c.pub.Time && s.Bytes == c.pub.Bytes && s.Claim == c.pub.Claim && s.Run == c.pub.Run:
-		c.forgedSaid = false
-		return
-	case err != nil && !errors.Is(err, clustercap.ErrSummary):
-		return // unreadable: the publication tells
-	}
-	if !c.forgedSaid {
-		var bytes, claim int64
-		if s != nil {
-			bytes, claim = s.Bytes, s.Claim
-		}
-		c.Log.Warn("engine: cluster: the summary under this node's name is not the one it wrote (written by another process: a forged summary, or a second copy of this node); overwriting it",
-			"mount", c.Root, "summary", c.dir.SummaryPath(c.Node), "its_bytes", bytes, "its_claim", claim, "bytes", c.own, "claim", c.claim, "err", err)
-	}
-	c.forgedSaid = true
-}
-
-// relock checks that this node's lock is still on the file at its lock
-// path, and locks the file there anew where it is not (Dir.Relock): a
-// node that took this one for dead may have retired it, removing its lock
-// file, while it ran. Where another process holds the file there, a
-// second copy of this node runs: c.copied makes it this node's twin at
-// the next read (setTwin), so that it removes none of their files, which
-// it cannot tell apart. Called with c.mu held.
-func (c *Mount) relock() {
-	renewed, err := c.dir.Relock()
-	switch {
-	case errors.Is(err, clustercap.ErrNodeLocked):
-		// Another node's probe holds the lock for a moment (one that read
-		// this node's summary stale, as after the directory came back):
-		// only a lock held at two ticks running is a second copy.
-		switch c.heldTicks++; c.heldTicks {
-		case 1:
-			c.Log.Warn("engine: cluster: another process holds this node's lock file, which this node no longer held (another node's probe, for a moment, or a second copy of this node); removing none of this node's files until it can lock it again",
-				"mount", c.Root, "node", c.Node, "err", err)
-		case 2:
-			c.Log.Error("engine: cluster: another process still holds this node's lock file: a second copy of this node runs on the mount; removing none of this node's files until it can lock it again",
-				"mount", c.Root, "node", c.Node, "err", err)
-		}
-		c.copied = true
-		return
-	case err != nil:
-		c.Log.Warn("engine: cluster: checking this node's lock", "mount", c.Root, "err", err)
-	case renewed:
-		c.Log.Warn("engine: cluster: this node's lock file was removed while it ran (another node took it for dead and retired it?); locked anew", "mount", c.Root, "node", c.Node)
-	}
-	if c.copied && err == nil {
-		c.Log.Info("engine: cluster: this node holds its lock file again", "mount", c.Root, "node", c.Node)
-		c.copied = false
-	}
-	if err == nil {
-		c.heldTicks = 0
 	}
 }
 
@@ -1568,7 +1090,7 @@ func (c *Mount) reserveLocked(ctx context.Context, size int64) (starved bool, er
 			}
 			settle()
 			why := "no evictable file of its own left"
-			if twin := c.twinNote(); twin != "" {
+			if twin := c.clusterTwin.twinNote(); twin != "" {
 				why = twin
 			} else if len(c.unknown) > 0 {
 				why = fmt.Sprintf("its claim grows no further while the summary of node %q, which may be running, cannot be used", slices.Sorted(maps.Keys(c.unknown))[0])
@@ -1700,26 +1222,6 @@ func (c *Mount) lastSketch() clustercap.Sketch {
 		return clustercap.Sketch{}
 	}
 	return c.pub.Sketch
-}
-
-// cleanTemps applies the leftover rule (cleanTemp: flock free, older than
-// temp_grace) to the adopted nodes' temporary files in c.temps, and
-// forgets those gone and those of nodes no longer in dead (released).
-// Called with c.mu held.
-func (c *Mount) cleanTemps(dead map[uint32]bool) {
-	for path, tag := range c.temps {
-		if !dead[tag] {
-			delete(c.temps, path)
-			continue
-		}
-		gone, err := c.Host.CleanTemp(path)
-		if err != nil {
-			c.Log.Warn("engine: cluster: a dead node's temporary file", "path", path, "err", err)
-		}
-		if gone {
-			delete(c.temps, path)
-		}
-	}
 }
 
 // bytesOf is the bytes of the entries on c's mount whose owner tag is in tags.

@@ -37,7 +37,15 @@
 // A Mount's lock and state are its own: the engine calls its whole
 // operations (Tick, Reserve, ReserveGrant, GiveBack, Victims, ...), and
 // the Mount reaches the engine only through its Group: the index, the
-// space and a Host.
+// space and a Host. Its state beside the claim is in parts, each a type
+// and file of its own, under the Mount's lock: what the last read found
+// (clusterView), the checks of the others' summaries (clusterAgree,
+// agree.go), the adoption of dead nodes (clusterAdoption, adoption.go),
+// the lock probes (clusterFlocks, flocks.go), this node's twins
+// (clusterTwin, twin.go) and the census (census.go). A part's methods
+// reach the rest of the Mount only through what they are passed: the
+// site (the directory, this node's id and tag, the interval) and the
+// values they read.
 //
 // Purges (docs/cluster.md, "Purges"): a node removes only the files it
 // may evict (MayEvict: its own, an adopted dead node's), since another

@@ -28,7 +28,7 @@ func (c *Mount) Inspect() View {
 	return View{Own: c.own, Claim: c.claim,
 		Shared:     slices.Sorted(maps.Keys(c.shared)),
 		Probed:     slices.Sorted(maps.Keys(c.probes)),
-		LockShared: c.lockShared(),
+		LockShared: c.clusterFlocks.lockShared(),
 		Unclaimed:  len(c.unclaimed),
 		Dead:       maps.Clone(*c.dead.Load()),
 		Untagged:   c.untagged,

@@ -94,7 +94,8 @@ func Open(fs fsys.FS, g Group, bound clustercap.Bound, interval time.Duration) (
 	if err != nil {
 		return nil, err
 	}
-	c := &Mount{Group: g, dir: dir, bound: bound, configured: bound, interval: interval, tag: clustercap.Tag(g.Node), floor: map[uint64]uint64{}, ahead: map[uint64]int64{},
+	c := &Mount{Group: g, site: site{dir: dir, root: g.Root, node: g.Node, log: g.Log, tag: clustercap.Tag(g.Node), interval: interval},
+		bound: bound, configured: bound, floor: map[uint64]uint64{}, ahead: map[uint64]int64{},
 		run:             g.Host.Now().UnixNano(),
 		clusterAgree:    clusterAgree{from: g.Node, capSaid: map[string]int64{}, untenable: map[string]uint64{}, policies: map[string]string{}, odd: map[string]bool{}, files: map[uint32]int64{}},
 		clusterView:     clusterView{bad: map[string]bool{}, unknown: map[string]bool{}},
@@ -141,7 +142,7 @@ func (c *Mount) FileID() uint64 { return clustercap.FileID(c.tag, rand.Uint64())
 func (c *Mount) TwinNote() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.twinNote()
+	return c.clusterTwin.twinNote()
 }
 
 // Twinned reports whether a running node of this node's owner tag was
