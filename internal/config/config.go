@@ -89,6 +89,10 @@ type Objects struct {
 	// ListInterval is the period of the listings that learn other nodes'
 	// objects (0: 30s; negative: at start only).
 	ListInterval Duration `toml:"list_interval"`
+	// Capacity bounds the bytes of the objects under the prefix, every
+	// node's (0: no bound): an upload past it evicts the least recently
+	// used objects first. The nodes sharing the prefix should agree.
+	Capacity Size `toml:"capacity"`
 }
 
 // Budget is a byte budget of the namespaces of a model id ([[budget]];
@@ -1013,6 +1017,8 @@ func (c *Config) Validate() error {
 			return bad("objects.bucket", "a bucket name", `""`)
 		case o.PartSize != 0 && o.PartSize < 5<<20:
 			return bad("objects.part_size", "0 (16MiB) or at least 5MiB, S3's least", o.PartSize)
+		case o.Capacity < 0:
+			return bad("objects.capacity", "0 (no bound) or a size", o.Capacity)
 		case o.RangeSize < 0 || o.Requests < 0 || o.Uploads < 0 || o.RequestTimeout < 0:
 			return bad("objects", "range_size, requests, uploads and request_timeout ≥ 0", fmt.Sprintf("%+v", o))
 		}

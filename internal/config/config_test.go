@@ -194,6 +194,7 @@ func TestParseErrors(t *testing.T) {
 		{"idle registrars", "[gpu]\nidle_registrars = 9", "kvhost.toml:2: gpu.idle_registrars: want between 0 (none) and 8, got 9"},
 		{"removal ring", "[engine]\nremoval_ring = -1", "kvhost.toml:2: engine.removal_ring: want between 0 (65,536 records) and 16,777,216, got -1"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
+		{"object capacity", "[objects]\nendpoint = \"http://rgw:7480\"\nbucket = \"kv\"\ncapacity = -1", "objects.capacity: size -1 is negative"},
 		{"io mode of a second mount", "[[mount]]\npath = \"/a\"\nio = \"direct\"\n\n[[mount]]\npath = \"/b\"\nio = \"directt\"", `kvhost.toml:7: mount.io: want "auto", "direct" or "buffered", got "directt"`},
 		{"unknown key of a second mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"\ncapasity = 5", `kvhost.toml:5: unknown key "mount.capasity"`},
 		{"unknown vllm_fs key of a second mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"\nlayout = \"vllm-fs\"\n[mount.vllm_fs]\nbogus = 1", `kvhost.toml:7: unknown key "mount.vllm_fs.bogus"`},

@@ -37,12 +37,12 @@ func OpenObjects(ctx context.Context, o config.Objects, log *slog.Logger) (*objs
 		AccessKey: access, SecretKey: secret, CreateBucket: o.CreateBucket,
 		RequestTimeout: time.Duration(o.RequestTimeout), PartSize: int64(o.PartSize), RangeSize: int64(o.RangeSize),
 		Requests: o.Requests, Uploads: o.Uploads, ListInterval: time.Duration(o.ListInterval),
-		Logger: log,
+		Capacity: int64(o.Capacity), Logger: log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("object mount ([objects]): %w", err)
 	}
-	log.Info("object mount", "endpoint", o.Endpoint, "bucket", o.Bucket, "prefix", o.Prefix, "objects", st.Stats().Objects)
+	log.Info("object mount", "endpoint", o.Endpoint, "bucket", o.Bucket, "prefix", o.Prefix, "objects", st.Stats().Objects, "bytes", st.Stats().Used, "capacity", int64(o.Capacity))
 	return st, nil
 }
 
@@ -53,6 +53,7 @@ func ObjectMetrics(stats func() objstore.Stats) func() metrics.ObjectStats {
 		return metrics.ObjectStats{
 			Keys: st.Objects, Uploaded: st.Uploaded, Skipped: st.Skipped, Failed: st.Failed, Dropped: st.Dropped,
 			Gets: st.Gets, GetErrors: st.GetErrors, GetBytes: st.GetBytes, Bad: st.Removed, Deleted: st.Deleted, Listings: st.Listings,
+			Evicted: st.Evicted, Purged: st.Purged, Vanished: st.Vanished, Full: st.Full, Used: st.Used,
 		}
 	}
 }

@@ -521,7 +521,7 @@ func TestRebuildSeveralMounts(t *testing.T) {
 
 // declareSmall declares smallGeometry(true) on e and registers a
 // plane-first cache of numBlocks blocks for it.
-func declareSmall(t *testing.T, e *Engine, numBlocks int) (NamespaceID, *testCache) {
+func declareSmall(t testing.TB, e *Engine, numBlocks int) (NamespaceID, *testCache) {
 	t.Helper()
 	g := smallGeometry(true)
 	ns, err := e.Declare(context.Background(), g)

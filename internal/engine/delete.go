@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 )
@@ -116,6 +117,10 @@ type PurgeResult struct {
 	// nodes, which remove them at their next interval (the purge record);
 	// not counted in Files, Keys or Bytes.
 	Others int
+	// Objects is the objects removed from the object mount
+	// (Config.Objects): every one of the namespaces, this node's or
+	// another's; not counted in Files, Keys or Bytes.
+	Objects int
 }
 
 // Purge removes every file of the namespace of fingerprint fp (Geometry's
@@ -143,7 +148,9 @@ type PurgeResult struct {
 // after the files are removed here. On another shared directory it removes
 // the files this engine indexes: its own, and other nodes' that it found
 // (a lookup, a load, its start's walk); another node's files it never
-// found stay. Purge on each node to remove them all.
+// found stay. Purge on each node to remove them all. With an object mount
+// (Config.Objects) it removes every object of the namespace there too,
+// every node's (PurgeResult.Objects); one it could not remove fails it.
 func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	if err := e.busy.calls.enter(); err != nil {
 		return PurgeResult{}, err
@@ -154,13 +161,16 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 		return PurgeResult{}, ErrClosed
 	}
 	var r PurgeResult
+	found := e.purge(ctx, []uint64{fp}, &r)
+	oerr := e.objs.purge(ctx, []uint64{fp}, &r)
 	// On a cluster mount the files may be another node's alone, which
 	// this node never found: the record goes out all the same.
-	if !e.purge(ctx, []uint64{fp}, &r) && !known && !clustered(e.mounts) {
-		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
+	if !found && r.Objects == 0 && oerr == nil && !known && !clustered(e.mounts) {
+		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file or object of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
 	}
-	return r, recordPurges(ctx, e.mounts, []uint64{fp})
+	return r, errors.Join(recordPurges(ctx, e.mounts, []uint64{fp}), oerr)
 }
+
 
 // PurgeModel is Purge for every namespace declared with model id model
 // since the engine opened (each tensor-parallel rank, each geometry of
@@ -187,7 +197,8 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 	}
 	var r PurgeResult
 	e.purge(ctx, fps, &r)
-	return r, recordPurges(ctx, e.mounts, fps)
+	oerr := e.objs.purge(ctx, fps, &r)
+	return r, errors.Join(recordPurges(ctx, e.mounts, fps), oerr)
 }
 
 // purge removes the files of the namespaces of fps indexed now

@@ -28,7 +28,7 @@ type fakeDevice struct {
 
 // registerFakeDevice registers a cache of nb blocks per layer, K and V
 // planes, in fake device memory with the given region id.
-func registerFakeDevice(t *testing.T, e *Engine, ns NamespaceID, g Geometry, id uint64, nb int) (CacheID, *fakeDevice) {
+func registerFakeDevice(t testing.TB, e *Engine, ns NamespaceID, g Geometry, id uint64, nb int) (CacheID, *fakeDevice) {
 	t.Helper()
 	bb := g.BlockBytes()
 	dev := &fakeDevice{id: id, mem: make([]byte, int64(g.Layers)*2*int64(nb)*bb)}

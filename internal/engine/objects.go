@@ -10,6 +10,7 @@ import (
 	"os"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -43,6 +44,15 @@ type Objects interface {
 	// Delete forgets key's object at once and removes it from the store
 	// (a client deleted the key). It must not block on the store.
 	Delete(fp uint64, key []byte)
+	// Purge removes every object of the namespace of fingerprint fp and
+	// returns the keys it removed; an error says what it could not
+	// remove. ctx bounds it.
+	Purge(ctx context.Context, fp uint64) ([][]byte, error)
+	// OnGone sets fn to be told of every object that leaves the store
+	// other than by Delete, Bad or Purge: evicted for room (evicted
+	// true), or found gone (another node removed it). fn does not call
+	// the store.
+	OnGone(fn func(fp uint64, key []byte, evicted bool))
 	// Mover moves the plans of the files Open returns into host memory,
 	// computing their checksums. Memory the CPU cannot address (a GPU's)
 	// is loaded from a copy of the whole object in the daemon's memory,
@@ -62,9 +72,75 @@ type objectTier struct {
 	objs   Objects                                // nil: no object mount
 	find   func(ns *namespace, key []byte) *entry // the engine's index
 	mounts []*mount                               // the engine's: the first one's movers move what the CPU cannot address
+	rm     *remover                               // its feed records the objects' removals
 	st     *counters
 	io     *fsys.InFlight
 	log    *slog.Logger
+}
+
+// objectClass is the device class the removal feed names the object
+// mount by (removals.Feed.SetMounts), at the index one past the engine's
+// mounts (objectTier.index).
+const objectClass = "object"
+
+// index is the object mount's index in the removal feed's records: one
+// past the engine's mounts.
+func (o *objectTier) index() int { return len(o.mounts) }
+
+// watch has the object mount tell the feed of the objects that leave it
+// behind the engine's calls (Objects.OnGone).
+func (o *objectTier) watch() {
+	if o.objs != nil {
+		o.objs.OnGone(o.gone)
+	}
+}
+
+// gone records on the removal feed that key's object left the object
+// mount, evicted for room or found gone, where no file holds the key:
+// else the key is still stored.
+func (o *objectTier) gone(fp uint64, key []byte, evicted bool) {
+	reason := removals.Vanished
+	if evicted {
+		reason = removals.Evicted
+	}
+	o.record(fp, [][]byte{key}, reason)
+}
+
+// record records on the removal feed that keys of the namespace of fp
+// left the object mount for reason, those no file holds.
+func (o *objectTier) record(fp uint64, keys [][]byte, reason removals.Reason) {
+	if !o.rm.feed.Recording() {
+		return
+	}
+	recs := make([]removals.Record, 0, len(keys))
+	for _, k := range keys {
+		if o.rm.ix.Files().Get(fp, k) == nil {
+			recs = append(recs, removals.Record{FP: fp, Key: string(k), Reason: reason, Mount: o.index(), To: removals.NoMount})
+		}
+	}
+	o.rm.feed.Publish(recs...)
+}
+
+// purge removes the objects of the namespaces of fps, records them
+// purged where no file holds their keys, and counts them in res.
+func (o *objectTier) purge(ctx context.Context, fps []uint64, res *PurgeResult) error {
+	if o.objs == nil {
+		return nil
+	}
+	var errs []error
+	for _, fp := range fps {
+		keys, err := o.objs.Purge(ctx, fp)
+		o.record(fp, keys, removals.Purged)
+		res.Objects += len(keys)
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// holds reports whether the object mount holds key of the namespace of
+// fp (from memory): a file evicted then leaves the key stored there.
+func (o *objectTier) holds(fp uint64, key []byte) bool {
+	return o.objs != nil && o.objs.Has(fp, key)
 }
 
 // has reports whether the object mount holds key of ns (from memory:

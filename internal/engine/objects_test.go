@@ -3,12 +3,14 @@ package engine
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 
@@ -21,10 +23,11 @@ import (
 
 // memObjects is an Objects in memory: Published copies the file at once.
 type memObjects struct {
-	mv   transfer.Mover // the CPU path: memObject's reads are copies
-	mu   sync.Mutex
-	objs map[string][]byte
-	bad  []string
+	mv     transfer.Mover // the CPU path: memObject's reads are copies
+	mu     sync.Mutex
+	objs   map[string][]byte
+	bad    []string
+	onGone []func(fp uint64, key []byte, evicted bool) // each engine's
 }
 
 func objName(fp uint64, key []byte) string { return fmt.Sprintf("%016x/%x", fp, key) }
@@ -65,8 +68,43 @@ func (o *memObjects) Delete(fp uint64, key []byte) {
 	delete(o.objs, objName(fp, key))
 }
 
+func (o *memObjects) Purge(_ context.Context, fp uint64) ([][]byte, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var keys [][]byte
+	for name := range o.objs {
+		if k, ok := strings.CutPrefix(name, fmt.Sprintf("%016x/", fp)); ok {
+			b, err := hex.DecodeString(k)
+			if err != nil {
+				return nil, err
+			}
+			keys = append(keys, b)
+			delete(o.objs, name)
+		}
+	}
+	return keys, nil
+}
+
+func (o *memObjects) OnGone(fn func(fp uint64, key []byte, evicted bool)) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.onGone = append(o.onGone, fn)
+}
+
+// evict removes key's object as an eviction for room does, telling every
+// engine.
+func (o *memObjects) evict(fp uint64, key []byte) {
+	o.mu.Lock()
+	delete(o.objs, objName(fp, key))
+	fns := o.onGone
+	o.mu.Unlock()
+	for _, fn := range fns {
+		fn(fp, key, true)
+	}
+}
+
 // newMemObjects returns an empty memObjects, its mover closed when t ends.
-func newMemObjects(t *testing.T) *memObjects {
+func newMemObjects(t testing.TB) *memObjects {
 	mv, err := staging.NewMover(staging.Config{Workers: 2})
 	if err != nil {
 		t.Fatal(err)

@@ -54,6 +54,9 @@ type remover struct {
 	// while it has subscribers (removalfeed.go).
 	feed  removals.Feed
 	sweep vanishSweep
+	// objs is the object mount: an evicted file's key it holds is
+	// recorded moved there (published). Set once at Open.
+	objs *objectTier
 	// pending holds the entries dropped whose files are still to be
 	// removed, each with the reason its keys' removal is recorded for
 	// once its file is gone (pend, settle): by the dropper (removeAt,
@@ -72,12 +75,19 @@ func (r *remover) published(en *entry, reason removals.Reason) {
 	if !r.feed.Recording() || en.Spare {
 		return
 	}
+	// An evicted file's key the object mount holds is still stored,
+	// there: a move to its medium.
+	evicted := reason == removals.Evicted || reason == removals.ClusterEvicted
 	recs := make([]removals.Record, 0, len(en.Keys))
 	for _, k := range en.Keys {
 		if r.ix.Files().Get(en.FP, []byte(k)) != nil {
 			continue
 		}
-		recs = append(recs, removals.Record{FP: en.FP, Key: k, Reason: reason, Mount: en.Mount, To: removals.NoMount})
+		rec := removals.Record{FP: en.FP, Key: k, Reason: reason, Mount: en.Mount, To: removals.NoMount}
+		if evicted && r.objs != nil && r.objs.holds(en.FP, []byte(k)) {
+			rec.Reason, rec.To = removals.Moved, r.objs.index()
+		}
+		recs = append(recs, rec)
 	}
 	r.feed.Publish(recs...)
 }

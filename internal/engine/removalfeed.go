@@ -51,6 +51,9 @@ func (e *Engine) Removals() *removals.Feed {
 		for i, m := range e.mounts {
 			classes[i] = className(m.desc.class)
 		}
+		if e.objs.objs != nil {
+			classes = append(classes, objectClass) // at objectTier.index
+		}
 		e.rm.feed.SetMounts(classes)
 		go e.rm.sweep.run(&e.rm.feed, e.busy.down, &e.busy.calls, sweepOf(e))
 	})

@@ -366,7 +366,9 @@ var (
 	dObjectGets         = desc("kvhost_objects_get_requests_total", "Ranged GETs of loads from the object mount.")
 	dObjectGetErrors    = desc("kvhost_objects_get_errors_total", "Ranged GETs of loads from the object mount that failed.")
 	dObjectGetBytes     = desc("kvhost_objects_get_bytes_total", "Bytes loads read from the object mount.")
-	dObjectRemoved      = desc("kvhost_objects_removed_total", "Objects removed from the bucket, by reason (bad: failed a load's checks; deleted: a client deleted the key).", "reason")
+	dObjectRemoved      = desc("kvhost_objects_removed_total", "Objects removed from the bucket, by reason (bad: failed a load's checks; deleted: a client deleted the key; evicted: for room within the bound; purged: a purge of the namespace; vanished: found gone by a listing).", "reason")
+	dObjectBytes        = desc("kvhost_objects_bytes", "Bytes of the objects the bucket is known to hold under the prefix.")
+	dObjectFull         = desc("kvhost_objects_full_total", "Uploads refused for room: the bound ([objects] capacity) or the store's quota.")
 	dObjectListings     = desc("kvhost_objects_listings_total", "Listings of the object mount's bucket.")
 )
 
@@ -603,6 +605,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dObjectGetBytes, o.GetBytes)
 		counter(dObjectRemoved, o.Bad, "bad")
 		counter(dObjectRemoved, o.Deleted, "deleted")
+		counter(dObjectRemoved, o.Evicted, "evicted")
+		counter(dObjectRemoved, o.Purged, "purged")
+		counter(dObjectRemoved, o.Vanished, "vanished")
+		gauge(dObjectBytes, float64(o.Used))
+		counter(dObjectFull, o.Full)
 		counter(dObjectListings, o.Listings)
 	}
 }

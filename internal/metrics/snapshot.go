@@ -266,5 +266,9 @@ type ObjectStats struct {
 	Uploaded, Skipped, Failed, Dropped uint64 // published files copied, not copied (held), failed, not queued
 	Gets, GetErrors, GetBytes          uint64 // loads' GET requests, those that failed, bytes read
 	Bad, Deleted                       uint64 // objects removed as bad, and as their keys were deleted
+	Evicted, Purged                    uint64 // objects removed for room (the bound), and by purges
+	Vanished                           uint64 // objects a listing found gone (another node removed them)
+	Full                               uint64 // uploads refused for room (the bound, or the store's quota)
 	Listings                           uint64 // listings of the bucket
+	Used                               int64  // bytes of the objects the bucket is known to hold
 }

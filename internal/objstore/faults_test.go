@@ -192,8 +192,8 @@ func TestFullBucketFailsUploadsAndKeepsWhatItHas(t *testing.T) {
 		return st.Uploaded+st.Failed == uint64(len(keys))
 	})
 	st := a.store.Stats()
-	if st.Failed == 0 || st.Uploaded == 0 {
-		t.Fatalf("uploads into a bucket with room for one object: %d done, %d failed; want both", st.Uploaded, st.Failed)
+	if st.Failed == 0 || st.Uploaded == 0 || st.Full != st.Failed {
+		t.Fatalf("uploads into a bucket with room for one object: %d done, %d failed, %d of them for room; want both, every failure for room", st.Uploaded, st.Failed, st.Full)
 	}
 	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
 	into := b.blocks(len(keys), 0)

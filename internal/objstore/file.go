@@ -53,10 +53,12 @@ func isNotFound(err error) bool {
 }
 
 // describe wraps err with ErrCredentials where the store refused the
-// request's keys or signature, and with fs.ErrNotExist where the object
-// or bucket does not exist.
+// request's keys or signature, with fs.ErrNotExist where the object
+// or bucket does not exist, and with ErrFull where its quota refused it.
 func describe(err error) error {
 	switch code := errorCode(err); {
+	case code == "QuotaExceeded": // a 403, as refused keys are
+		return fmt.Errorf("%w (the store's quota, %s): %w", ErrFull, code, err)
 	case code == "InvalidAccessKeyId" || code == "SignatureDoesNotMatch" || code == "AccessDenied" || httpStatus(err) == http.StatusForbidden:
 		return fmt.Errorf("%w (%s): %w", ErrCredentials, code, err)
 	case isNotFound(err):
@@ -70,7 +72,9 @@ func describe(err error) error {
 // a read larger than Config.RangeSize, each bounded by the request
 // timeout and by ctx.
 func (s *Store) Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error) {
-	return &File{s: s, ctx: ctx, name: s.Name(fp, key)}, nil
+	name := s.Name(fp, key)
+	s.touch(name) // a use, which evictions rank by
+	return &File{s: s, ctx: ctx, name: name}, nil
 }
 
 // File is an object open for reading: an fsys.File whose reads are

@@ -87,6 +87,11 @@ type Config struct {
 	// ListInterval is the period of the listings that learn what other
 	// nodes stored (DefaultListInterval); negative lists only at Open.
 	ListInterval time.Duration
+	// Capacity bounds the bytes of the objects under Prefix, every
+	// node's (0: no bound). An upload that would pass it first evicts the
+	// least recently used objects, down to evictTo of it (capacity.go).
+	// The nodes sharing a prefix should agree on it.
+	Capacity int64
 	// Logger receives the store's logs (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -130,6 +135,9 @@ func (c Config) withDefaults() (Config, error) {
 	if c.ListInterval == 0 {
 		c.ListInterval = DefaultListInterval
 	}
+	if c.Capacity < 0 {
+		return c, fmt.Errorf("%w: capacity %d: want 0 (no bound) or a size in bytes", ErrConfig, c.Capacity)
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -148,7 +156,12 @@ type Stats struct {
 	GetErrors uint64 // GETs that failed
 	Removed   uint64 // objects removed as bad
 	Deleted   uint64 // objects removed as their keys were deleted
+	Evicted   uint64 // objects removed to keep the prefix within Capacity
+	Purged    uint64 // objects removed by purges of their namespaces
+	Full      uint64 // uploads refused for room: Capacity, or the store's quota
+	Vanished  uint64 // objects a listing found gone (another node removed them)
 	Listings  uint64 // listings of the bucket
+	Used      int64  // bytes of the objects known to be in the bucket
 }
 
 // Store is an object mount on one bucket. Its methods may be called from
@@ -160,13 +173,24 @@ type Store struct {
 	reqs chan struct{}
 
 	mu      sync.RWMutex
-	present map[string]struct{} // object names the bucket holds, as known
+	present map[string]object // the objects the bucket holds, as known
+	used    int64             // the bytes of present
+	// reserved is the bytes of the uploads under way that took room
+	// within Capacity (capacity.go).
+	reserved int64
 	// since is what uploads added while a listing ran, gone what was
 	// found missing or bad meanwhile: the listing's end keeps both.
-	since, gone map[string]struct{}
+	since map[string]object
+	gone  map[string]struct{}
 	// deleting are the bad objects whose removal is under way: no
 	// listing finds them.
 	deleting map[string]struct{}
+
+	// room serializes the evictions that make room within Capacity.
+	room sync.Mutex
+	// onGone, where set (OnGone), is told of every object that left the
+	// bucket other than by Delete, Bad or Purge: evicted, or found gone.
+	onGone atomic.Pointer[func(fp uint64, key []byte, evicted bool)]
 
 	queue  chan upload
 	ctx    context.Context // ended by Close
@@ -176,6 +200,13 @@ type Store struct {
 	uploaded, skipped, failed, dropped atomic.Uint64
 	gets, getBytes, getErrors          atomic.Uint64
 	removed, deleted, listings         atomic.Uint64
+	evicted, purged, full, vanished    atomic.Uint64
+}
+
+// object is what a Store knows of an object in the bucket.
+type object struct {
+	size int64 // its bytes
+	at   int64 // its last use known here: its upload, a load, or its listing's modification time (Unix ns)
 }
 
 // upload is a published file to copy.
@@ -213,7 +244,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		RequestChecksumCalculation: aws.RequestChecksumCalculationWhenRequired,
 		ResponseChecksumValidation: aws.ResponseChecksumValidationWhenRequired,
 	})
-	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: map[string]struct{}{}, deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
+	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: map[string]object{}, deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
 	if err := s.checkBucket(ctx); err != nil {
 		return nil, err
 	}
@@ -244,11 +275,12 @@ func (s *Store) Close() error {
 // Stats returns the store's counts.
 func (s *Store) Stats() Stats {
 	s.mu.RLock()
-	n := len(s.present)
+	n, used := len(s.present), s.used
 	s.mu.RUnlock()
 	return Stats{
 		Objects: n, Uploaded: s.uploaded.Load(), Skipped: s.skipped.Load(), Failed: s.failed.Load(), Dropped: s.dropped.Load(),
-		Gets: s.gets.Load(), GetBytes: s.getBytes.Load(), GetErrors: s.getErrors.Load(), Removed: s.removed.Load(), Deleted: s.deleted.Load(), Listings: s.listings.Load(),
+		Gets: s.gets.Load(), GetBytes: s.getBytes.Load(), GetErrors: s.getErrors.Load(), Removed: s.removed.Load(), Deleted: s.deleted.Load(),
+		Evicted: s.evicted.Load(), Purged: s.purged.Load(), Full: s.full.Load(), Vanished: s.vanished.Load(), Listings: s.listings.Load(), Used: used,
 	}
 }
 
@@ -270,12 +302,14 @@ func (s *Store) Has(fp uint64, key []byte) bool {
 	return ok
 }
 
-// add records name as in the bucket.
-func (s *Store) add(name string) {
+// add records name, of size bytes, as in the bucket, used now.
+func (s *Store) add(name string, size int64) {
 	s.mu.Lock()
-	s.present[name] = struct{}{}
+	o := object{size: size, at: time.Now().UnixNano()}
+	s.used += size - s.present[name].size
+	s.present[name] = o
 	if s.since != nil {
-		s.since[name] = struct{}{}
+		s.since[name] = o
 		delete(s.gone, name)
 	}
 	s.mu.Unlock()
@@ -284,10 +318,26 @@ func (s *Store) add(name string) {
 // forget records name as not in the bucket.
 func (s *Store) forget(name string) {
 	s.mu.Lock()
+	s.forgetLocked(name)
+	s.mu.Unlock()
+}
+
+// forgetLocked is forget with s.mu held.
+func (s *Store) forgetLocked(name string) {
+	s.used -= s.present[name].size
 	delete(s.present, name)
 	if s.since != nil {
 		delete(s.since, name)
 		s.gone[name] = struct{}{}
+	}
+}
+
+// touch records a use of name now (a load), which an eviction ranks by.
+func (s *Store) touch(name string) {
+	s.mu.Lock()
+	if o, ok := s.present[name]; ok {
+		o.at = time.Now().UnixNano()
+		s.present[name] = o
 	}
 	s.mu.Unlock()
 }
@@ -358,9 +408,9 @@ func (s *Store) checkBucket(ctx context.Context) error {
 // what uploads added while it ran.
 func (s *Store) list(ctx context.Context) error {
 	s.mu.Lock()
-	s.since, s.gone = map[string]struct{}{}, map[string]struct{}{}
+	s.since, s.gone = map[string]object{}, map[string]struct{}{}
 	s.mu.Unlock()
-	found := map[string]struct{}{}
+	found := map[string]object{}
 	p := s3.NewListObjectsV2Paginator(s.client, &s3.ListObjectsV2Input{Bucket: &s.cfg.Bucket, Prefix: &s.cfg.Prefix})
 	var err error
 	for p.HasMorePages() {
@@ -373,19 +423,19 @@ func (s *Store) list(ctx context.Context) error {
 		}
 		for _, o := range page.Contents {
 			if o.Key != nil && s.ours(*o.Key) {
-				found[*o.Key] = struct{}{}
+				found[*o.Key] = object{size: aws.ToInt64(o.Size), at: aws.ToTime(o.LastModified).UnixNano()}
 			}
 		}
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	since, gone := s.since, s.gone
 	s.since, s.gone = nil, nil
 	if err != nil {
+		s.mu.Unlock()
 		return fmt.Errorf("objstore: listing bucket %s at %s: %w", s.cfg.Bucket, s.cfg.Endpoint, describe(err))
 	}
-	for name := range since {
-		found[name] = struct{}{}
+	for name, o := range since {
+		found[name] = o
 	}
 	for name := range gone {
 		delete(found, name)
@@ -393,8 +443,28 @@ func (s *Store) list(ctx context.Context) error {
 	for name := range s.deleting {
 		delete(found, name)
 	}
-	s.present = found
+	var used int64
+	for name, o := range found {
+		if old, ok := s.present[name]; ok && old.at > o.at {
+			o.at = old.at // a use here since its upload
+			found[name] = o
+		}
+		used += o.size
+	}
+	// What the last listing or an upload knew and this one did not find
+	// left behind this store's back: another node evicted, deleted or
+	// purged it.
+	var vanished []string
+	for name := range s.present {
+		if _, ok := found[name]; !ok {
+			vanished = append(vanished, name)
+		}
+	}
+	s.present, s.used = found, used
+	s.mu.Unlock()
 	s.listings.Add(1)
+	s.vanished.Add(uint64(len(vanished)))
+	s.tellGone(vanished, false)
 	return nil
 }
 

@@ -90,16 +90,38 @@ func (s *Store) Upload(ctx context.Context, fp uint64, key []byte, path string) 
 	}
 	name := s.Name(fp, key)
 	size := h.FileLen()
-	if size <= s.cfg.PartSize {
-		err = s.put(ctx, f, h, name, size)
-	} else {
-		err = s.multipart(ctx, f, h, name, size)
-	}
+	release, err := s.takeRoom(ctx, size)
 	if err != nil {
+		s.full.Add(1)
 		return fmt.Errorf("objstore: upload %s to %s: %w", path, name, err)
 	}
-	s.add(name)
+	defer release()
+	err = s.send(ctx, f, h, name, size)
+	if errors.Is(err, ErrFull) && s.cfg.Capacity > 0 {
+		// The store's quota is below the bound, or holds what this
+		// store does not count (other prefixes, other nodes' uploads
+		// since the last listing): room of the object's size more.
+		if err = s.evict(ctx, size); err == nil {
+			err = s.send(ctx, f, h, name, size)
+		}
+	}
+	if err != nil {
+		if errors.Is(err, ErrFull) {
+			s.full.Add(1)
+		}
+		return fmt.Errorf("objstore: upload %s to %s: %w", path, name, err)
+	}
+	s.add(name, size)
 	return nil
+}
+
+// send uploads the size bytes of f, whose header is h, as name: one PUT
+// up to PartSize, else a multipart upload.
+func (s *Store) send(ctx context.Context, f *os.File, h *format.Header, name string, size int64) error {
+	if size <= s.cfg.PartSize {
+		return s.put(ctx, f, h, name, size)
+	}
+	return s.multipart(ctx, f, h, name, size)
 }
 
 // payloadSum folds the payload bytes of b, the file's bytes at off, into

@@ -759,7 +759,7 @@ func (s *session) purge(m *protocol.Purge) (protocol.Message, error) {
 		return nil, err
 	}
 	s.log.Info("server: purged", append(what, "pid", s.pid, "namespaces", r.Namespaces, "files", r.Files, "keys", r.Keys, "bytes", r.Bytes,
-		"pinned", r.Pinned, "left", r.Left, "others", r.Others)...)
+		"pinned", r.Pinned, "left", r.Left, "others", r.Others, "objects", r.Objects)...)
 	return &protocol.Purged{Namespaces: uint64(r.Namespaces), Files: uint64(r.Files), Keys: uint64(r.Keys), Bytes: uint64(max(r.Bytes, 0)),
 		Pinned: uint64(r.Pinned), Left: uint64(r.Left)}, nil
 }

@@ -1,0 +1,225 @@
+package objstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/engine/removals"
+	"github.com/kvhost/kvhost/internal/objstore"
+	"github.com/kvhost/kvhost/internal/testwait"
+)
+
+// objectLen is the bytes of one key's object: a one-key file of
+// geometry().
+func objectLen() int64 { return 4096 + geometry().KeyBytes() }
+
+// subscribe opens a subscription to n's removal feed, closed when the
+// test ends.
+func subscribe(t testing.TB, n *node) *removals.Subscription {
+	t.Helper()
+	sub, _, _, err := n.eng.Removals().Subscribe(nil, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(sub.Close)
+	return sub
+}
+
+// recordsUntil reads sub's records until it holds one of each of keys,
+// or fails the test after a minute; it returns them.
+func recordsUntil(t testing.TB, sub *removals.Subscription, keys [][]byte) []removals.Record {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var recs []removals.Record
+	seen := map[string]bool{}
+	for len(seen) < len(keys) {
+		b, err := sub.Next(ctx, 64)
+		if err != nil {
+			t.Fatalf("records %+v, then: %v; want one of each of %q", recs, err, keys)
+		}
+		for _, r := range b.Records {
+			recs = append(recs, r)
+			seen[r.Key] = true
+		}
+	}
+	return recs
+}
+
+// wantRecords fails the test unless recs are one record of each of keys,
+// for reason, from the object mount of n (one past its one file mount,
+// of class "object").
+func wantRecords(t testing.TB, n *node, recs []removals.Record, reason removals.Reason, keys [][]byte) {
+	t.Helper()
+	if m := n.eng.Removals().Mounts(); len(m) != 2 || m[1] != "object" {
+		t.Fatalf("the feed's mounts: %v, want the object mount second", m)
+	}
+	var got, want []string
+	for _, r := range recs {
+		if r.Reason != reason || r.Mount != 1 || r.To != removals.NoMount {
+			t.Fatalf("record %+v: want %v from the object mount, 1", r, reason)
+		}
+		got = append(got, r.Key)
+	}
+	for _, k := range keys {
+		want = append(want, string(k))
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("records of %q, want %q", got, want)
+	}
+}
+
+// present reports which of keys the bucket holds, asked of it.
+func present(t testing.TB, n *node, keys [][]byte) []bool {
+	t.Helper()
+	out := make([]bool, len(keys))
+	for i, k := range keys {
+		_, err := objstore.RawClient(n.store).Get(context.Background(), n.store.Name(n.geo.Fingerprint(), k))
+		switch {
+		case err == nil:
+			out[i] = true
+		case !errors.Is(err, os.ErrNotExist):
+			t.Fatal(err)
+		}
+	}
+	return out
+}
+
+// TestTheBoundEvictsTheLeastRecentlyUsedObjectsAndReportsEachEviction: a
+// bucket bound to three objects holds three that node A stored; node B,
+// bound so, loads the first and stores a fourth: its upload first evicts
+// the two it used least (down to 0.9 of the bound), every node's, and
+// B's feed records each evicted from the object mount; node C, which
+// holds them in the bucket only, records them vanished at its next
+// listing. The used bytes stay within the bound, and what stays loads.
+func TestTheBoundEvictsTheLeastRecentlyUsedObjectsAndReportsEachEviction(t *testing.T) {
+	cfg := rgwConfig(t)
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	old, want := storeKeys(t, a, "bound-old", 3)
+	bounded := cfg
+	bounded.Capacity = 3 * objectLen()
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), bounded)
+	c := openNode(t, filepath.Join(t.TempDir(), "c"), cfg)
+	subB, subC := subscribe(t, b), subscribe(t, c)
+	loadAndCompare(t, b, old[:1], want[:1]) // a use: the first stays
+	added, _ := storeKeys(t, b, "bound-new", 1)
+
+	st := b.store.Stats()
+	if st.Evicted != 2 || st.Used > bounded.Capacity || st.Full != 0 {
+		t.Fatalf("after an upload past the bound: %d evicted, %d of %d bytes used, %d refused; want 2 evicted, within the bound, none refused", st.Evicted, st.Used, bounded.Capacity, st.Full)
+	}
+	if got := present(t, b, append(slices.Clone(old), added...)); !slices.Equal(got, []bool{true, false, false, true}) {
+		t.Fatalf("in the bucket after the eviction (the used key, the two others, the new one): %v, want [true false false true]", got)
+	}
+	wantRecords(t, b, recordsUntil(t, subB, old[1:]), removals.Evicted, old[1:])
+	wantRecords(t, c, recordsUntil(t, subC, old[1:]), removals.Vanished, old[1:])
+	loadAndCompare(t, c, old[:1], want[:1])
+	if n, _ := c.eng.Lookup(context.Background(), c.ns, old[1:2]); n != 0 {
+		t.Fatal("an evicted object is still a hit on another node")
+	}
+}
+
+// TestAnObjectLargerThanTheBoundIsRefusedAndNothingIsLost: with a bound
+// smaller than one object, the upload fails with a full bucket
+// (objstore.ErrFull, counted in Full), nothing is evicted, and the key
+// still loads from its file.
+func TestAnObjectLargerThanTheBoundIsRefusedAndNothingIsLost(t *testing.T) {
+	cfg := rgwConfig(t)
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	kept, _ := storeKeys(t, a, "small-bound-kept", 1)
+	small := cfg
+	small.Capacity = objectLen() - 1
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), small)
+	fill(newRand(5), b.mem)
+	keys := [][]byte{[]byte("too-large")}
+	src := b.blocks(1, 0)
+	b.put(t, keys, src)
+	want := [][]byte{b.data(src[0])}
+	testwait.Until(t, "the upload's end", time.Minute, func() bool { return b.store.Stats().Failed == 1 })
+	if st := b.store.Stats(); st.Full != 1 || st.Evicted != 0 || st.Uploaded != 0 {
+		t.Fatalf("an object larger than the bound: %d refused for room, %d evicted, %d uploaded; want 1, 0, 0", st.Full, st.Evicted, st.Uploaded)
+	}
+	if got := present(t, b, append(slices.Clone(kept), keys...)); !slices.Equal(got, []bool{true, false}) {
+		t.Fatalf("in the bucket: %v, want the object stored before and not the refused one", got)
+	}
+	loadAndCompare(t, b, keys, want)
+	if err := b.store.Upload(context.Background(), b.geo.Fingerprint(), keys[0], firstFile(t, b.dir)); !errors.Is(err, objstore.ErrFull) {
+		t.Fatalf("an upload larger than the bound: %v, want objstore.ErrFull", err)
+	}
+}
+
+// firstFile returns the path of a data file under dir.
+func firstFile(t testing.TB, dir string) string {
+	t.Helper()
+	var found string
+	filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && filepath.Ext(path) == ".kv" && found == "" {
+			found = path
+		}
+		return nil
+	})
+	if found == "" {
+		t.Fatalf("no data file under %s", dir)
+	}
+	return found
+}
+
+// TestPurgeRemovesTheNamespacesObjectsFromTheBucket: a purge on a node
+// that holds a namespace's keys only in the bucket removes every object
+// of it from the bucket, counts them, records each purged from the
+// object mount, and a node opened after finds none.
+func TestPurgeRemovesTheNamespacesObjectsFromTheBucket(t *testing.T) {
+	cfg := rgwConfig(t)
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	keys, _ := storeKeys(t, a, "purged", 3)
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	sub := subscribe(t, b)
+	r, err := b.eng.Purge(context.Background(), b.geo.Fingerprint())
+	if err != nil || r.Objects != len(keys) {
+		t.Fatalf("purge: %+v, %v; want %d objects removed", r, err, len(keys))
+	}
+	wantRecords(t, b, recordsUntil(t, sub, keys), removals.Purged, keys)
+	if got := present(t, b, keys); slices.Contains(got, true) {
+		t.Fatalf("objects in the bucket after the purge: %v", got)
+	}
+	c := openNode(t, filepath.Join(t.TempDir(), "c"), cfg)
+	if n, _ := c.eng.Lookup(context.Background(), c.ns, keys[:1]); n != 0 {
+		t.Fatal("a node opened after the purge finds a purged key")
+	}
+	if st := b.store.Stats(); st.Purged != uint64(len(keys)) {
+		t.Fatalf("Stats.Purged %d, want %d", st.Purged, len(keys))
+	}
+}
+
+// TestAQuotaBelowTheBoundEvictsAndTriesAgain: a bucket whose quota holds
+// two objects, under a bound of ten: the third upload, refused by the
+// quota, evicts the least recently used object and succeeds; the bucket
+// holds the two newest, and nothing was refused for good.
+func TestAQuotaBelowTheBoundEvictsAndTriesAgain(t *testing.T) {
+	cfg := rgwConfig(t)
+	rgwCtl(t, "start-rgw")
+	one := cfg
+	one.Uploads, one.Requests, one.Capacity = 1, 1, 10*objectLen()
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), one)
+	rgwCtl(t, "bucket-quota", cfg.Bucket, "20971520") // 20 MiB: two objects of 8 MiB
+	var keys [][]byte
+	for i := range 3 {
+		k, _ := storeKeys(t, a, fmt.Sprintf("quota-%d", i), 1)
+		keys = append(keys, k...)
+	}
+	st := a.store.Stats()
+	if st.Uploaded != 3 || st.Evicted != 1 || st.Full != 0 {
+		t.Fatalf("three uploads into a quota of two: %d uploaded, %d evicted, %d refused; want 3, 1, 0", st.Uploaded, st.Evicted, st.Full)
+	}
+	if got := present(t, a, keys); !slices.Equal(got, []bool{false, true, true}) {
+		t.Fatalf("in the bucket: %v, want the two newest", got)
+	}
+}
