@@ -1,11 +1,14 @@
 package kvhost_test
 
 import (
+	"errors"
 	"go/ast"
+	"go/build"
 	"go/parser"
 	"go/token"
 	"io/fs"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -106,5 +109,54 @@ func TestHouseNoEngineTypeHasOver50Methods(t *testing.T) {
 			t.Errorf("%s has %d methods, over its limit of %d: split its state by concern into parts of their own", k, counts[k], limit)
 		}
 		t.Logf("%s: %d methods", k, counts[k])
+	}
+}
+
+// viewedPackages are the engine's packages whose tests read the parts'
+// test views (inspect.go: Inspect, Forget, ...), which are built only
+// with -tags invariants; so are those tests, every file of them, so that
+// a build without the tag (vet, staticcheck) never finds a test calling
+// a view it lacks.
+var viewedPackages = []string{"internal/engine", "internal/engine/cluster"}
+
+// TestHouseTestViewsAreBuiltOnlyWithTheInvariantsTag: no engine
+// package's build without -tags invariants holds a test view (a file
+// inspect.go), and viewedPackages have no test file in that build.
+func TestHouseTestViewsAreBuiltOnlyWithTheInvariantsTag(t *testing.T) {
+	views := 0
+	err := filepath.WalkDir("internal/engine", func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.IsDir() {
+			return err
+		}
+		pkg, err := build.ImportDir(p, 0)
+		if err != nil {
+			var none *build.NoGoError
+			if errors.As(err, &none) {
+				return nil
+			}
+			return err
+		}
+		if slices.Contains(pkg.GoFiles, "inspect.go") {
+			t.Errorf("%s/inspect.go, the part's test views, is in the build without -tags invariants: begin it with //go:build invariants", p)
+		}
+		if slices.Contains(pkg.IgnoredGoFiles, "inspect.go") {
+			views++
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if views == 0 {
+		t.Fatal("found no test views under internal/engine: the check reads the wrong tree")
+	}
+	for _, dir := range viewedPackages {
+		pkg, err := build.ImportDir(dir, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range slices.Concat(pkg.TestGoFiles, pkg.XTestGoFiles) {
+			t.Errorf("%s/%s is built without -tags invariants: begin it with //go:build invariants, as every test of %s (they read the parts' test views)", dir, f, dir)
+		}
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 
 	"github.com/kvhost/kvhost/abi"
@@ -185,12 +184,6 @@ func (a *accessLog) fail(m int, err error) {
 // close writes what is pending.
 func (a *accessLog) close() {
 	a.write()
-}
-
-// isJournal reports whether name (a file under a mount's root) is an
-// access journal, or a compaction's temporary file of one.
-func isJournal(name string) bool {
-	return strings.HasPrefix(name, accesslog.Prefix)
 }
 
 // journalBound is the most bytes of records a start reads of a journal

@@ -437,10 +437,3 @@ func (e *Engine) shutdown() {
 	close(e.busy.down)
 	e.cfg.Logger.Debug("engine: closed", "took", time.Since(start))
 }
-
-// check returns the first broken invariant of the engine's parts: the
-// index's, the space's, and, where no job holds a path, that each
-// mount's room holds exactly its indexed files. Tests call it.
-func (e *Engine) check() error {
-	return errors.Join(e.ix.Check(), e.space.Check(), e.ix.CheckAtRest(e.space.Mounts(), e.space.UsageAtRest))
-}

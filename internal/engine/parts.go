@@ -11,7 +11,6 @@ type (
 	entry      = index.Entry
 	flight     = index.Flight
 	readMark   = index.ReadMark
-	keyID      = index.KeyID
 	pinnedFile = index.PinnedFile
 )
 

@@ -1,3 +1,5 @@
+//go:build invariants
+
 package space
 
 // View is what a mount's room holds at one moment, beyond Usage, for the
