@@ -171,7 +171,6 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	return r, errors.Join(recordPurges(ctx, e.mounts, []uint64{fp}), oerr)
 }
 
-
 // PurgeModel is Purge for every namespace declared with model id model
 // since the engine opened (each tensor-parallel rank, each geometry of
 // the model is one), declared now or not: what Stats.Namespaces lists

@@ -428,6 +428,7 @@ func (e *Engine) shutdown() {
 	e.own.closeOwners() // after the spares: none is left for another engine to find live
 	e.pol.hitRec.close()
 	e.mv.host.Close()
+	e.objs.bounce.close()
 	var err error
 	if e.pol.own {
 		err = e.pol.Close(context.Background())

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -8,8 +9,11 @@ import (
 	"io/fs"
 	"log/slog"
 	"os"
+	"slices"
+	"sync"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/region"
@@ -73,6 +77,7 @@ type objectTier struct {
 	find   func(ns *namespace, key []byte) *entry // the engine's index
 	mounts []*mount                               // the engine's: the first one's movers move what the CPU cannot address
 	rm     *remover                               // its feed records the objects' removals
+	bounce bouncePool                             // the memory files of loads into memory the CPU cannot address
 	st     *counters
 	io     *fsys.InFlight
 	log    *slog.Logger
@@ -291,12 +296,13 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 		set(OutcomeFailed, err)
 		return
 	}
-	bf, mem, release, err := memoryFile("kvhost-object", h.FileLen())
+	b, err := o.bounce.get(h.FileLen())
 	if err != nil {
 		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
 		return
 	}
-	defer release()
+	defer o.bounce.put(b)
+	bf, mem := b.f, b.mem[:h.FileLen()]
 	io := o.io.Begin()
 	defer o.io.End(io)
 	n, err := f.ReadvAt([][]byte{mem}, 0)
@@ -310,12 +316,7 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 	}
 	// Verified in the daemon's memory, which no client writes: a
 	// mismatch is the object's.
-	sums, err := recheck(ctx, bf, h, want)
-	if err != nil {
-		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
-		return
-	}
-	if sums[k] != h.Keys[k].Sum {
+	if sums := memorySums(mem, h, want); sums[k] != h.Keys[k].Sum {
 		bad(fmt.Errorf("%w: object of key %x: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, key, sums[k], h.Keys[k].Sum))
 		return
 	}
@@ -325,6 +326,95 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 		return
 	}
 	o.loaded(j, i, lr, h.FileLen(), sk.moved[k])
+}
+
+// memorySums returns the CRC-32C of the payload of the keys marked in
+// want of a file whose bytes are mem, computed as recheck computes them
+// from a file, without a copy.
+func memorySums(mem []byte, h *format.Header, want []bool) []uint32 {
+	hl, bb := int64(h.Len()), int64(h.BlockBytes)
+	sums := make([]uint32, len(h.Keys))
+	h.Walk(want, func(k, _, _, _ int, off int64) {
+		sums[k] = crc32c.Update(sums[k], mem[hl+off:hl+off+bb])
+	})
+	return sums
+}
+
+// maxIdleBounces is the most memory files of bounced loads the pool
+// keeps between loads: as many as loads of objects may run at once with
+// the default file slots, each the size of one object.
+const maxIdleBounces = 8
+
+// bouncePool keeps the memory files of bounced loads (loadBounced) for
+// the next, instead of a memfd made, truncated, mapped and faulted in
+// per load (BenchmarkObjectBounce measures the two). Objects of one
+// geometry are all of one size; a file is taken for a load of an object
+// no larger, and the pool keeps at most maxIdleBounces of the largest.
+// Its zero value is an empty pool.
+type bouncePool struct {
+	mu     sync.Mutex
+	idle   []*bounce // largest last
+	closed bool
+}
+
+// bounce is a memory file of the pool: f open read-write, mapped as mem.
+type bounce struct {
+	f       fsys.File
+	mem     []byte
+	release func()
+}
+
+// get returns a memory file of at least size bytes: an idle one of the
+// pool (the smallest that fits), else a new one.
+func (p *bouncePool) get(size int64) (*bounce, error) {
+	p.mu.Lock()
+	for i, b := range p.idle {
+		if int64(len(b.mem)) >= size {
+			p.idle = slices.Delete(p.idle, i, i+1)
+			p.mu.Unlock()
+			return b, nil
+		}
+	}
+	p.mu.Unlock()
+	f, mem, release, err := memoryFile("kvhost-object", size)
+	if err != nil {
+		return nil, err
+	}
+	return &bounce{f: f, mem: mem, release: release}, nil
+}
+
+// put gives b back to the pool, or releases it where the pool is full
+// (the smallest goes) or closed.
+func (p *bouncePool) put(b *bounce) {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		b.release()
+		return
+	}
+	i, _ := slices.BinarySearchFunc(p.idle, len(b.mem), func(x *bounce, n int) int { return cmp.Compare(len(x.mem), n) })
+	p.idle = slices.Insert(p.idle, i, b)
+	var drop *bounce
+	if len(p.idle) > maxIdleBounces {
+		drop = p.idle[0]
+		p.idle = slices.Delete(p.idle, 0, 1)
+	}
+	p.mu.Unlock()
+	if drop != nil {
+		drop.release()
+	}
+}
+
+// close releases the idle memory files; those of loads under way go when
+// they end.
+func (p *bouncePool) close() {
+	p.mu.Lock()
+	idle := p.idle
+	p.idle, p.closed = nil, true
+	p.mu.Unlock()
+	for _, b := range idle {
+		b.release()
+	}
 }
 
 // memoryFile makes an anonymous memory file (a memfd region) of size
