@@ -185,10 +185,11 @@ func readModelBook(fsy fsys.FS, path string) (map[uint64]Geometry, int, error) {
 }
 
 // note adds g, just declared, to this node's books where they do not
-// name it yet: appended, unsynced (a crash of the process loses
-// nothing written; a lost line costs the namespace's budget its files
-// until its client declares it again, as before the books). A failed
-// write is logged once, and the books are written no more.
+// name it yet: appended and synced, with the mount's root where the book
+// is new, before the declaration is acknowledged, so that a power loss
+// keeps it (a lost line costs the namespace's budget its files until
+// its client declares it again, as before the books). A failed write is
+// logged once, and the books are written no more.
 func (b *modelBook) note(g Geometry) {
 	if b == nil {
 		return
@@ -214,8 +215,9 @@ func (b *modelBook) note(g Geometry) {
 	b.written[fp] = true
 }
 
-// appendLine appends line to the file at path, creating it. Only this
-// node writes its books, under modelBook.mu.
+// appendLine appends line to the file at path, creating it, and syncs
+// it, and its directory where it was empty (new). Only this node writes
+// its books, under modelBook.mu.
 func appendLine(fsy fsys.FS, path string, line []byte) error {
 	f, err := fsy.OpenFile(path, os.O_RDWR|os.O_CREATE|fsys.ONoLinks, 0o644)
 	if err != nil {
@@ -232,18 +234,28 @@ func appendLine(fsy fsys.FS, path string, line []byte) error {
 	if err == nil {
 		_, err = f.WriteAt(line, fi.Size())
 	}
+	if err == nil {
+		err = f.Sync()
+	}
 	if err != nil {
 		f.Close()
 		return err
 	}
-	return f.Close()
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if fi.Size() == 0 {
+		return fsy.SyncDir(filepath.Dir(path)) // the book's name, new
+	}
+	return nil
 }
 
 // prune rewrites this node's books to the geometries of own (read) that
 // keep reports true for (a namespace with files indexed), where any
 // other is named: a book grows by the namespaces declared and is cut
-// back at each start. A rewrite is a file beside the book renamed over
-// it; one that fails leaves the book as it was.
+// back at each start. A rewrite is a file beside the book, synced,
+// renamed over it, and the directory synced: one that fails, or a power
+// loss at any point, leaves the book as it was or as rewritten.
 func (b *modelBook) prune(own map[uint64]Geometry, keep func(fp uint64) bool) {
 	var lines []byte
 	dropped := 0
@@ -271,6 +283,9 @@ func (b *modelBook) prune(own map[uint64]Geometry, keep func(fp uint64) bool) {
 		if err == nil {
 			err = b.fs.Rename(tmp, p)
 		}
+		if err == nil {
+			err = b.fs.SyncDir(filepath.Dir(p))
+		}
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
 			b.fs.Remove(tmp)
 			b.log.Debug("engine: model book not pruned", "path", p, "err", err)
@@ -278,8 +293,8 @@ func (b *modelBook) prune(own map[uint64]Geometry, keep func(fp uint64) bool) {
 	}
 }
 
-// writeWhole writes b as a new file at path, removing any there first:
-// a file is made anew, never truncated.
+// writeWhole writes b as a new file at path, removing any there first,
+// and syncs it: a file is made anew, never truncated.
 func writeWhole(fsy fsys.FS, path string, b []byte) error {
 	if err := fsy.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
@@ -289,6 +304,10 @@ func writeWhole(fsy fsys.FS, path string, b []byte) error {
 		return err
 	}
 	if _, err := f.WriteAt(b, 0); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
 		f.Close()
 		return err
 	}
