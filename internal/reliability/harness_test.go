@@ -96,6 +96,9 @@ type daemonConfig struct {
 	More []mountConfig
 	// Extra is more TOML, verbatim, after the mounts (an [objects] table).
 	Extra string
+	// NetNS names the network namespace the daemon runs in (ip netns
+	// exec); "" is the test's.
+	NetNS string
 }
 
 // mountConfig is a [[mount]] table after the first.
@@ -251,6 +254,10 @@ func tryStartDaemon(t testing.TB, cfg daemonConfig) (*daemon, error) {
 	}
 	d := &daemon{t: t, cfg: cfg, path: path, log: new(syncBuffer), exited: make(chan struct{})}
 	d.cmd = exec.Command(kvhostBin, "serve", "--config", path)
+	if cfg.NetNS != "" {
+		// ip netns exec execs the daemon: the process is the daemon's.
+		d.cmd = exec.Command("ip", "netns", "exec", cfg.NetNS, kvhostBin, "serve", "--config", path)
+	}
 	d.cmd.Env = append(os.Environ(), "XDG_CACHE_HOME="+filepath.Join(filepath.Dir(kvhostBin), "xdg-cache"))
 	d.cmd.Stderr = d.log
 	stdout, err := d.cmd.StdoutPipe()

@@ -17,12 +17,24 @@ import (
 // daemons take from the environment, or skips.
 func objectsTOML(t *testing.T) string {
 	t.Helper()
+	return objectsTOMLAt(rgwEndpoint(t), fmt.Sprintf("kvhost-rel-%08x", rand.Uint32()), 5*time.Second)
+}
+
+// rgwEndpoint returns the S3 endpoint of scripts/rgw.sh run, or skips.
+func rgwEndpoint(t *testing.T) string {
+	t.Helper()
 	ep := os.Getenv("KVHOST_S3_ENDPOINT")
 	if ep == "" {
 		t.Skip("KVHOST_S3_ENDPOINT is not set: this test runs under scripts/rgw.sh run (make test-objects)")
 	}
-	return fmt.Sprintf("[objects]\nendpoint = %q\nbucket = %q\ncreate_bucket = true\nlist_interval = \"200ms\"\nrequest_timeout = \"5s\"\n",
-		ep, fmt.Sprintf("kvhost-rel-%08x", rand.Uint32()))
+	return ep
+}
+
+// objectsTOMLAt returns an [objects] table for bucket on endpoint, made
+// where missing, each request bounded by timeout.
+func objectsTOMLAt(endpoint, bucket string, timeout time.Duration) string {
+	return fmt.Sprintf("[objects]\nendpoint = %q\nbucket = %q\ncreate_bucket = true\nlist_interval = \"200ms\"\nrequest_timeout = %q\n",
+		endpoint, bucket, timeout.String())
 }
 
 // TestObjectsPrefixStoredByOneDaemonLoadsOnAnotherAndAfterAWipe: two
