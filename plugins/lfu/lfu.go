@@ -73,9 +73,13 @@ type Policy struct {
 	lastAged uint64 // the last aging epoch passed (a multiple of halfLife)
 	epoch    uint64 // lastAged / halfLife once started, else 0
 	started  bool   // a record with a time has set lastAged
-	layout   policykit.Layout
-	names    *policykit.Names
-	track    *policykit.Tracker
+	// nextAge is the earliest record time that may pass an aging epoch
+	// (1 before a record with a time, lastAged + halfLife after,
+	// saturating): Access's one comparison a record.
+	nextAge uint64
+	layout  policykit.Layout
+	names   *policykit.Names
+	track   *policykit.Tracker
 
 	keys   []uint64    // each slot's key; slot zero's is 0
 	active [ring]int32 // the slot of key k at k%ring, for keys epoch+1..epoch+32; none if no list
@@ -96,6 +100,7 @@ func New() *Policy {
 	names, _ := policykit.NewNames(1)
 	p := &Policy{
 		halfLife: uint64(DefaultHalfLife),
+		nextAge:  1,
 		layout:   policykit.Layout{KeysPerFile: abi.DefaultKeysPerFile, Order: abi.DefaultOrder},
 		names:    names,
 		keys:     make([]uint64, 1, policykit.MaxClasses),
@@ -157,6 +162,7 @@ func (p *Policy) Init(cfg guest.Config) error {
 		return err
 	}
 	p.halfLife, p.layout = uint64(hl), layout
+	p.setNextAge()
 	return nil
 }
 
@@ -177,8 +183,8 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 	t := p.track
 	for i := range recs {
 		r := &recs[i]
-		if r.Time != 0 && (!p.started || r.Time-p.lastAged >= p.halfLife) {
-			p.age(r.Time) // an aging may be due (or a late record, which age ignores)
+		if r.Time >= p.nextAge {
+			p.age(r.Time) // an aging may be due
 		}
 		if r.Kind == abi.AccessHit {
 			// The commonest record: one lookup, the Tracker's hit path;
@@ -189,20 +195,26 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 			}
 			e := t.Pool.At(j)
 			c := p.count(e)
-			e.Hits = c
 			p.reserve()
-			n := c
-			if n != ^uint32(0) {
-				n++
-			}
-			if k := p.epoch + uint64(bits.Len32(n)); c != 0 && p.active[k%ring] == int32(e.Class) {
+			n := c + 1 - uint32((uint64(c)+1)>>32) // saturating
+			old := e.Time
+			e.Time, e.Hits = max(old, r.Time), n
+			a := p.active[(p.epoch+uint64(bits.Len32(n)))%ring] // the slot of n's level, if any
+			if c != 0 && a == int32(e.Class) {
 				// Tracker.Touch, inline: one call fewer.
-				old := e.Time
-				e.Time, e.Hits = max(old, r.Time), n
 				t.Lists[e.Class].TouchBack(&t.Pool, j, old)
 				continue
 			}
-			if err := t.Hit(j, r.Time); err != nil {
+			if a != none && a != int32(e.Class) && int(a) < len(t.Lists) {
+				// A count that changes level to a level with a list:
+				// Tracker.Reclass, inline, to the back of that list
+				// in one call.
+				from := e.Class
+				e.Class = uint16(a)
+				t.Lists[from].MoveBack(&t.Pool, j, &t.Lists[a])
+				continue
+			}
+			if err := t.Reclass(j, p.class(e), old); err != nil {
 				return err
 			}
 			continue
@@ -243,6 +255,7 @@ func (p *Policy) age(now uint64) {
 	if !p.started {
 		p.lastAged, p.started = now-now%p.halfLife, true // epochs shared by every node
 		p.rekey(p.lastAged / p.halfLife)
+		p.setNextAge()
 		return
 	}
 	if now < p.lastAged {
@@ -254,12 +267,26 @@ func (p *Policy) age(now uint64) {
 	}
 	p.lastAged += halvings * p.halfLife
 	p.epoch = p.lastAged / p.halfLife
+	p.setNextAge()
 	for k, a := range p.active {
 		if a != none && p.keys[a] <= p.epoch {
 			p.active[k] = none
 			p.stale = append(p.stale, a)
 		}
 	}
+}
+
+// setNextAge sets nextAge from lastAged and halfLife.
+func (p *Policy) setNextAge() {
+	if !p.started {
+		p.nextAge = 1
+		return
+	}
+	next, carry := bits.Add64(p.lastAged, p.halfLife, 0)
+	if carry != 0 {
+		next = math.MaxUint64
+	}
+	p.nextAge = next
 }
 
 // rekey moves the keys of the lists made before the first record with a

@@ -131,39 +131,51 @@ func (p *Policy) checkMounts(n uint32) error {
 	return nil
 }
 
-// Name chooses the mount and the fan-out name of every key.
+// Name chooses the mount and the fan-out name of every key. The names
+// come first, in one call for the batch (policykit.Names.PutEach), then
+// the mounts: with nothing called per record, as each call costs a Go
+// guest tens of wasm instructions. A record whose mount count the
+// configured weights do not match fails after the records before it are
+// named, as when each record was checked, named and placed in turn.
 func (p *Policy) Name(recs []abi.NameRecord) error {
+	if p.weights != nil {
+		for i := range recs {
+			if err := p.checkMounts(recs[i].MountCount); err != nil {
+				if perr := p.names.PutEach(recs[:i]); perr != nil {
+					return perr
+				}
+				return err
+			}
+		}
+	}
+	if err := p.names.PutEach(recs); err != nil {
+		return err
+	}
 	for i := range recs {
 		r := &recs[i]
-		if err := p.checkMounts(r.MountCount); err != nil {
-			return err
+		if p.weights != nil {
+			r.Mount = p.weighted(r.KeyHash, r.MountCount)
+			continue
 		}
-		if err := p.names.Put(r); err != nil {
-			return err
+		// Equal weights: -1/ln(u) grows with u, so the largest hash wins
+		// and no logarithm is needed.
+		best, bestHash := uint32(0), uint64(0)
+		for m := range r.MountCount {
+			if h := mix(r.KeyHash ^ (uint64(m)+1)*0x9E3779B97F4A7C15); m == 0 || h > bestHash {
+				best, bestHash = m, h
+			}
 		}
-		r.Mount = p.mount(r.KeyHash, r.MountCount)
+		r.Mount = best
 	}
 	return nil
 }
 
-// mount picks a mount by weighted rendezvous hashing.
-func (p *Policy) mount(keyHash uint64, mounts uint32) uint32 {
+// weighted picks one of mounts by weighted rendezvous hashing.
+func (p *Policy) weighted(keyHash uint64, mounts uint32) uint32 {
 	if mounts <= 1 {
 		return 0
 	}
-	best := uint32(0)
-	if p.weights == nil {
-		// Equal weights: -1/ln(u) grows with u, so the largest hash wins and
-		// no logarithm is needed.
-		var bestHash uint64
-		for m := range mounts {
-			if h := mix(keyHash ^ (uint64(m)+1)*0x9E3779B97F4A7C15); m == 0 || h > bestHash {
-				best, bestHash = m, h
-			}
-		}
-		return best
-	}
-	bestScore := math.Inf(-1)
+	best, bestScore := uint32(0), math.Inf(-1)
 	for m := range mounts {
 		// u in (0, 1): 53 random bits of a mix of the key hash and the mount.
 		u := (float64(mix(keyHash^(uint64(m)+1)*0x9E3779B97F4A7C15)>>11) + 0.5) / (1 << 53)

@@ -3,6 +3,7 @@ package policykit
 import (
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -191,6 +192,77 @@ func TestListAgainstASortedSlice(t *testing.T) {
 				if got := listOrder(t, &p, &l); !slices.Equal(got, want) {
 					t.Fatalf("span %d, op %d: list %v, want %v", span, op, got, want)
 				}
+			}
+		}
+	}
+}
+
+// TestMoveBackIsRemoveThenInsert: random moves of entries between three
+// lists (to the back's time or later, the commonest, or to any time)
+// leave the lists, links and all, as Remove then Insert leaves them; the
+// entries also take ordinary inserts, removes and touches between moves.
+func TestMoveBackIsRemoveThenInsert(t *testing.T) {
+	for _, span := range []uint64{4, 1000, 1 << 40} {
+		rng := rand.New(rand.NewPCG(span, 5))
+		var pa, pb Pool // pa moves with MoveBack, pb with Remove and Insert
+		la := []List{NewList(), NewList(), NewList()}
+		lb := []List{NewList(), NewList(), NewList()}
+		on := map[int32]int{} // the list of each slot
+		var slots []int32
+		for op := range 5000 {
+			switch {
+			case len(slots) == 0 || rng.IntN(4) == 0:
+				ia, _ := pa.Add(uint64(op))
+				ib, _ := pb.Add(uint64(op))
+				if ia != ib {
+					t.Fatalf("slots %d and %d for one add", ia, ib)
+				}
+				tm, c := rng.Uint64N(span), rng.IntN(3)
+				pa.At(ia).Time, pb.At(ib).Time = tm, tm
+				la[c].Insert(&pa, ia)
+				lb[c].Insert(&pb, ib)
+				on[ia] = c
+				slots = append(slots, ia)
+			case rng.IntN(5) == 0:
+				k := rng.IntN(len(slots))
+				i := slots[k]
+				slots = slices.Delete(slots, k, k+1)
+				la[on[i]].Remove(&pa, i)
+				lb[on[i]].Remove(&pb, i)
+				pa.Delete(i)
+				pb.Delete(i)
+				delete(on, i)
+			default:
+				i := slots[rng.IntN(len(slots))]
+				from, to := on[i], rng.IntN(3)
+				if from == to {
+					to = (to + 1) % 3
+				}
+				tm := rng.Uint64N(span)
+				if back := la[to].tail; back != none && rng.IntN(4) != 0 {
+					tm = pa.At(back).Time + rng.Uint64N(2) // a hit
+				}
+				lb[from].Remove(&pb, i)
+				pa.At(i).Time, pb.At(i).Time = tm, tm
+				la[from].MoveBack(&pa, i, &la[to])
+				lb[to].Insert(&pb, i)
+				on[i] = to
+			}
+			for c := range la {
+				if la[c] != lb[c] {
+					t.Fatalf("span %d, op %d: list %d %+v, want %+v", span, op, c, la[c], lb[c])
+				}
+			}
+			for _, i := range slots {
+				a, b := pa.At(i), pb.At(i)
+				if a.left != b.left || a.right != b.right || a.up != b.up {
+					t.Fatalf("span %d, op %d: slot %d links %d,%d,%d, want %d,%d,%d", span, op, i, a.left, a.right, a.up, b.left, b.right, b.up)
+				}
+			}
+		}
+		for c := range la {
+			if got := listOrder(t, &pa, &la[c]); len(got) != la[c].Len() {
+				t.Fatalf("list %d: %d entries in order, Len %d", c, len(got), la[c].Len())
 			}
 		}
 	}
@@ -422,22 +494,97 @@ func TestTrackerIgnoresWhatItDoesNotKnow(t *testing.T) {
 	}
 }
 
-func TestPutHex(t *testing.T) {
+// TestNamesEndInTheKeyInHex: every key length, 0 to MaxKeyLen, of random
+// bytes and of the bytes whose hex digits are the extremes, named one by
+// one (Put) and in one batch (PutAll, PutEach), ends in the key in
+// lower-case hex and ".kv" (an empty key in "_.kv") after the fan-out
+// directories, and the batch sets Mount only where asked.
+func TestNamesEndInTheKeyInHex(t *testing.T) {
+	n, err := NewNames(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns := abi.NamespaceRecord{NS: 0, Fingerprint: 0xfeedface, MountCount: 3}
+	ns.SetModelID("m")
+	if err := n.Declare(&ns); err != nil {
+		t.Fatal(err)
+	}
 	rng := rand.New(rand.NewPCG(9, 9))
-	for n := range abi.MaxKeyLen + 1 {
-		for range 20 {
-			key := make([]byte, n)
+	var recs []abi.NameRecord
+	for l := range abi.MaxKeyLen + 1 {
+		for k := range 20 {
+			key := make([]byte, l)
 			for i := range key {
 				key[i] = byte(rng.Uint32())
 			}
-			if n > 0 && rng.IntN(4) == 0 {
-				key[0], key[n-1] = 0xff, 0x0a
+			if l > 0 && k%4 == 0 {
+				key[0], key[l-1] = 0xff, 0x0a
 			}
-			dst := make([]byte, 2*n)
-			putHex(dst, key)
-			if want := hex.EncodeToString(key); string(dst) != want {
-				t.Fatalf("putHex(%x) = %s", key, dst)
+			r := abi.NameRecord{NS: 0, Fingerprint: ns.Fingerprint, MountCount: 3, Mount: 7}
+			r.SetKey(key)
+			recs = append(recs, r)
+		}
+	}
+	want := func(r *abi.NameRecord) string {
+		h := hex.EncodeToString(r.Key())
+		if h == "" {
+			h = "_"
+		}
+		dir := string(NamespaceDir([]byte("m"), ns.Fingerprint, 0, n.modelMax))
+		return fmt.Sprintf("%s/%02x/%02x/%s.kv", dir, byte(r.KeyHash>>56), byte(r.KeyHash>>48), h)
+	}
+	one := slices.Clone(recs)
+	for i := range one {
+		if err := n.Put(&one[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	all, each := slices.Clone(recs), slices.Clone(recs)
+	if err := n.PutAll(all, 2); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.PutEach(each); err != nil {
+		t.Fatal(err)
+	}
+	for i := range recs {
+		w := want(&recs[i])
+		for _, c := range []struct {
+			how   string
+			r     *abi.NameRecord
+			mount uint32
+		}{{"Put", &one[i], 7}, {"PutAll", &all[i], 2}, {"PutEach", &each[i], 7}} {
+			if got := string(c.r.Path()); got != w || c.r.Mount != c.mount {
+				t.Fatalf("%s of key %x: %q on mount %d, want %q on mount %d", c.how, recs[i].Key(), got, c.r.Mount, w, c.mount)
 			}
+		}
+	}
+}
+
+// TestPutAllReportsTheFirstFailingRecord: a batch whose records fail in
+// several ways fails with the first record's failure, whichever check it
+// is.
+func TestPutAllReportsTheFirstFailingRecord(t *testing.T) {
+	n, err := NewNames(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Declare(&abi.NamespaceRecord{NS: 0, Fingerprint: 5}); err != nil {
+		t.Fatal(err)
+	}
+	good := abi.NameRecord{NS: 0, Fingerprint: 5, MountCount: 2}
+	good.SetKey([]byte("k"))
+	undeclared, oneMount := good, good
+	undeclared.NS = 3
+	oneMount.MountCount = 1
+	for _, c := range []struct {
+		recs []abi.NameRecord
+		want string
+	}{
+		{[]abi.NameRecord{good, undeclared, oneMount}, "namespace 3 was not declared"},
+		{[]abi.NameRecord{good, oneMount, undeclared}, "configured mount 1 is not below the record's mount count 1"},
+	} {
+		if err := n.PutAll(c.recs, 1); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("PutAll: %v, want %q", err, c.want)
 		}
 	}
 }

@@ -27,19 +27,25 @@ func (t *Table) bucket(id uint64) int {
 
 // Get returns the slot stored for id.
 func (t *Table) Get(id uint64) (int32, bool) {
-	if t.n == 0 {
-		return 0, false
+	i := t.find(id)
+	return i, i >= 0
+}
+
+// find returns the slot stored for id, -1 if none. It is small enough to
+// inline into its callers (Get, Pool.Lookup), as a call costs a Go guest
+// tens of wasm instructions: the probe stops at id's bucket or an empty
+// one, whose key is 0 and whose value, 0, says the id is absent (id 0
+// included).
+func (t *Table) find(id uint64) int32 {
+	keys, vals := t.keys, t.vals
+	if len(keys) == 0 {
+		return -1
 	}
-	mask := len(t.keys) - 1
-	for i := t.bucket(id); ; i = (i + 1) & mask {
-		v := t.vals[i]
-		if v == 0 {
-			return 0, false
-		}
-		if t.keys[i] == id {
-			return v - 1, true
-		}
+	i := t.bucket(id)
+	for keys[i] != id && vals[i] != 0 {
+		i = (i + 1) & (len(keys) - 1)
 	}
+	return vals[i] - 1
 }
 
 // Put stores slot for id, replacing any previous slot. slot must be >= 0.

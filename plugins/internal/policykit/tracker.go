@@ -191,6 +191,26 @@ func (t *Tracker) Touch(i int32, now uint64) {
 	t.Lists[e.Class].TouchBack(&t.Pool, i, old)
 }
 
+// Reclass is Hit for a policy that sets the entry's fields itself: the
+// caller has set slot i's Time (from old) and Hits for a hit, and c is
+// the class they give it. The entry moves as Hit moves it: within its
+// list (Touch) if c is its class, else to c's list, its back the
+// commonest place (List.MoveBack), in one call.
+func (t *Tracker) Reclass(i int32, c uint32, old uint64) error {
+	e := &t.Pool.entries[i]
+	switch {
+	case c == uint32(e.Class):
+		t.Lists[c].Touch(&t.Pool, i, old)
+		return nil
+	case c < uint32(len(t.Lists)):
+		from := e.Class
+		e.Class = uint16(c)
+		t.Lists[from].MoveBack(&t.Pool, i, &t.Lists[c])
+		return nil
+	}
+	return t.placeIn(i, c, true, old)
+}
+
 // TouchEntry is Touch of the entry id, looked up in the same call; it
 // returns the entry's slot, and false (changing nothing) for an entry
 // the Tracker does not know: a HIT for a policy that looks at each
