@@ -103,11 +103,7 @@ var importRules = []importRule{
 // still makes while the work that removes them is under way. The test
 // passes while each occurs and fails once one no longer does: remove
 // it from this list when the work lands.
-var pendingViolations = []struct{ from, to string }{
-	// The engine engineer is splitting internal/engine (issue 83):
-	// staging's use moves behind transfer.
-	{"internal/engine", "staging"},
-}
+var pendingViolations = []struct{ from, to string }{}
 
 // pendingAPI are places where a public package's exported API still
 // names an internal type while the work that removes them waits, as

@@ -19,6 +19,7 @@ import (
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/internal/bench"
 	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
+	"github.com/kvhost/kvhost/internal/daemon/hostpath"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging/gpu"
@@ -237,7 +238,7 @@ func (r *benchRun) openEngine(ctx context.Context, be *benchEngine, nodeID strin
 		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log), NodeID: nodeID,
 		Fsync: r.o.fsync, IOWorkers: cfg.Engine.IOWorkers, CPUs: cfg.Engine.CPUs, YieldBytes: int64(cfg.Engine.YieldBytes),
 		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: slog.New(withoutMessage{r.log.Handler(), engine.SharedDirectoryWarning}),
-		Movers: movers, NoReuse: !cfg.Engine.Reuse(),
+		Host: hostpath.Staging, Movers: movers, NoReuse: !cfg.Engine.Reuse(),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)

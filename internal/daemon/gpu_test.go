@@ -23,6 +23,7 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/daemon/daemontest"
+	"github.com/kvhost/kvhost/internal/daemon/hostpath"
 	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/plugins/lru"
@@ -85,6 +86,7 @@ func gpuRoundTripThroughTheEngine(t *testing.T, checksumOn string) {
 	}
 	dir := t.TempDir()
 	eng, err := engine.Open(ctx, engine.Config{
+		Host:   hostpath.Staging,
 		Mounts: []engine.Mount{{Path: dir}},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})

@@ -11,6 +11,7 @@ import (
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/daemon/hostpath"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/plugins/lru"
 )
@@ -76,6 +77,7 @@ func openLookupTestEngine(t *testing.T) (*engine.Engine, *slog.Logger) {
 	ctx := context.Background()
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	eng, err := engine.Open(ctx, engine.Config{
+		Host:   hostpath.Staging,
 		Mounts: []engine.Mount{{Path: filepath.Join(t.TempDir(), "blocks")}},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})

@@ -12,6 +12,7 @@ import (
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/daemon/hostpath"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/metrics"
 	"github.com/kvhost/kvhost/internal/metrics/metricstest"
@@ -167,6 +168,7 @@ func TestMetricsReadARealEngineThroughTheAdapters(t *testing.T) {
 	m := metrics.New("test")
 	dir := t.TempDir()
 	eng, err := engine.Open(ctx, engine.Config{
+		Host:   hostpath.Staging,
 		Mounts: []engine.Mount{{Path: dir}},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})

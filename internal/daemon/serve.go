@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/daemon/hostpath"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/logging"
 	"github.com/kvhost/kvhost/internal/metrics"
@@ -345,6 +346,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		// mistake stops here, before it touches a mount.
 		LockFile: nodeLockFile(cfg),
 		Logger:   log,
+		Host:     hostpath.Staging,
 		Movers:   movers,
 		FS:       d.fs,
 		Budgets:  EngineBudgets(cfg),

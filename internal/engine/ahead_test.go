@@ -901,7 +901,7 @@ func TestAutoPreallocateMakesSparesOnceANamespaceIsDeclared(t *testing.T) {
 }
 
 func TestANegativePreallocateOtherThanAutoIsRefused(t *testing.T) {
-	_, err := Open(context.Background(), Config{Mounts: []Mount{{Path: t.TempDir(), Preallocate: -2}}, Policy: newTestPolicy(1, 0), Logger: testLogger(t)})
+	_, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: t.TempDir(), Preallocate: -2}}, Policy: newTestPolicy(1, 0), Logger: testLogger(t)})
 	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "preallocate -2") {
 		t.Fatalf("Open with preallocate -2: %v, want ErrInvalid naming it", err)
 	}

@@ -249,7 +249,7 @@ type Config struct {
 	// node), round-robin.
 	CPUs []int
 	// YieldBytes: an I/O worker gives its CPU up (sched_yield) after every
-	// YieldBytes it moved (staging.Yielder); 0 never.
+	// YieldBytes it moved (HostSpec.YieldBytes); 0 never.
 	YieldBytes int64
 	// StagingBytes bounds the memory of bounce buffers (default 64 MiB); it
 	// is used only when segments cannot go to the file directly.
@@ -300,6 +300,9 @@ type Config struct {
 	Budgets []Budget
 	// Logger receives the engine's logs (default: slog.Default()).
 	Logger *slog.Logger
+	// Host builds the CPU path, the mover of host memory (called once, at
+	// Open; required): the daemon's builds the staging pipeline.
+	Host HostFactory
 	// Movers builds, per region kind, the data mover of each mount (called
 	// once per mount at Open): region.KindDevice for GPU paths, or
 	// region.KindHost to replace the CPU staging pipeline. Without an entry

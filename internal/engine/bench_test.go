@@ -88,7 +88,7 @@ func newBenchEnv(b *testing.B, noDirect, noChecksum bool) *benchEnv {
 	dir := benchDir(b)
 	workers := max(2, runtime.GOMAXPROCS(0))
 	pol := newTestPolicy(1, abi.OrderLayerMajor)
-	e, err := Open(context.Background(), Config{
+	e, err := testOpen(context.Background(), Config{
 		Mounts: []Mount{{Path: filepath.Join(dir, "engine"), NoDirect: noDirect}}, Policy: pol,
 		IOWorkers: workers, NoChecksum: noChecksum, Logger: testLogger(b),
 	})
@@ -272,7 +272,7 @@ func newFullEnv(b *testing.B, tokens int) *fullEnv {
 	fileLen := g.KeyBytes() + 8<<10
 	ctx := context.Background()
 	workers := max(2, runtime.GOMAXPROCS(0))
-	e, err := Open(ctx, Config{
+	e, err := testOpen(ctx, Config{
 		Mounts:    []Mount{{Path: dir, Capacity: fullBatches * int64(keys) * fileLen}},
 		Policy:    newTestPolicy(1, abi.OrderLayerMajor),
 		IOWorkers: workers, Logger: testLogger(b),
@@ -489,7 +489,7 @@ func BenchmarkRebuild(b *testing.B) {
 	g := Geometry{Model: "tiny", Layers: 1, KVHeads: 1, HeadSize: 16, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 16, TPSize: 1}
 	ctx := context.Background()
 	cfg := Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Logger: testLogger(b)}
-	e, err := Open(ctx, cfg)
+	e, err := testOpen(ctx, cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -521,7 +521,7 @@ func BenchmarkRebuild(b *testing.B) {
 	b.Logf("created %d files in %v", files, time.Since(created))
 	for b.Loop() {
 		cfg.Policy = newTestPolicy(1, abi.OrderLayerMajor)
-		e, err := Open(ctx, cfg)
+		e, err := testOpen(ctx, cfg)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -251,7 +251,7 @@ func TestOpenRefusesBadBudgets(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := Open(context.Background(), Config{
+			_, err := testOpen(context.Background(), Config{
 				Mounts:    []Mount{{Path: t.TempDir(), Capacity: capacity}},
 				Policy:    newTestPolicy(1, 0),
 				Budgets:   tc.budgets,

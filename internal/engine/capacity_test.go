@@ -664,7 +664,7 @@ func TestAFileSystemThatReportsNoSizeTakesTheConfiguredCapacity(t *testing.T) {
 			dir := t.TempDir()
 			cfg := Config{Mounts: []Mount{{Path: dir, Capacity: tt.capacity}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: sizelessFS{fsys.OS{}}, Logger: testLogger(t), IOWorkers: 2}
 			if tt.capacity == 0 {
-				e, err := Open(context.Background(), cfg)
+				e, err := testOpen(context.Background(), cfg)
 				if err == nil {
 					e.Close(context.Background())
 					t.Fatal("Open without a capacity on a file system that reports no size succeeded")

@@ -227,7 +227,7 @@ func TestCloseGivesUpOnAStoreHungInTheFileSystemButKeepsTheNodeLock(t *testing.T
 	if !errors.Is(closeErr, context.Canceled) || !errors.Is(closeErr, ErrInFlight) {
 		t.Fatalf("Close: %v, want ErrInFlight and context.Canceled", closeErr)
 	}
-	if _, err := Open(ctx, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), LockFile: lockFile, Logger: testLogger(t)}); !errors.Is(err, ErrLocked) {
+	if _, err := testOpen(ctx, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), LockFile: lockFile, Logger: testLogger(t)}); !errors.Is(err, ErrLocked) {
 		t.Fatalf("a second engine while the store still writes: %v, want ErrLocked", err)
 	}
 
@@ -243,7 +243,7 @@ func TestCloseGivesUpOnAStoreHungInTheFileSystemButKeepsTheNodeLock(t *testing.T
 	if l := leftovers(t, dir); len(l) != 0 {
 		t.Fatalf("temporary files: %v", l)
 	}
-	e2, err := Open(ctx, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), LockFile: lockFile, Logger: testLogger(t)})
+	e2, err := testOpen(ctx, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), LockFile: lockFile, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatalf("open after the close completed: %v", err)
 	}

@@ -672,7 +672,7 @@ func demoteChild(dir string, start int, kill string, nth int) error {
 		return fsys.Fault{}
 	})
 	params := map[string]string{"promote_hits": "2", "promote_window": "1m"}
-	e, err := Open(ctx, Config{Mounts: demoteMounts(dir, 4096+g.KeyBytes()), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, IOWorkers: 2,
+	e, err := testOpen(ctx, Config{Mounts: demoteMounts(dir, 4096+g.KeyBytes()), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, IOWorkers: 2,
 		TickInterval: 2 * time.Millisecond, NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			return policy.NewNative(func() guest.Policy { return tiered.New() }, idx, policy.Config{Params: params})
 		}})

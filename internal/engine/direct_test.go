@@ -64,7 +64,7 @@ func (f hugetlbFS) Statfs(path string) (fsys.StatFS, error) {
 func TestOpenRefusesAHugetlbfsMount(t *testing.T) {
 	for _, capacity := range []int64{0, 64 << 20} {
 		dir := t.TempDir()
-		e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: capacity}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: hugetlbFS{fsys.OS{}}, Logger: testLogger(t)})
+		e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: capacity}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: hugetlbFS{fsys.OS{}}, Logger: testLogger(t)})
 		if err == nil {
 			e.Close(context.Background())
 		}
@@ -96,7 +96,7 @@ func (f kernelFS) Statfs(path string) (fsys.StatFS, error) {
 // system, and touches nothing in it.
 func TestOpenRefusesAMountOnAKernelInterface(t *testing.T) {
 	dir := t.TempDir()
-	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: 64 << 20}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: kernelFS{fsys.OS{}}, Logger: testLogger(t)})
+	e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: 64 << 20}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: kernelFS{fsys.OS{}}, Logger: testLogger(t)})
 	if err == nil {
 		e.Close(context.Background())
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"sync/atomic"
 	"time"
 
@@ -13,7 +14,6 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // Names the engine owns under a mount root: every name starting with '.'
@@ -140,10 +140,10 @@ type counters struct {
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose
-// IOWorkers is 0, the staging pool's default: runtime.GOMAXPROCS as it is
-// now, at least 2 (the daemon reads it before it raises GOMAXPROCS beyond
-// the workers).
-func DefaultIOWorkers() int { return staging.DefaultWorkers() }
+// IOWorkers is 0 (the staging pool's default too): runtime.GOMAXPROCS as
+// it is now, at least 2 (the daemon reads it before it raises GOMAXPROCS
+// beyond the workers).
+func DefaultIOWorkers() int { return max(2, runtime.GOMAXPROCS(0)) }
 
 // Open opens an engine over cfg.Mounts: it creates missing roots, probes
 // O_DIRECT once per mount, removes temporary leftovers of earlier runs and
@@ -154,6 +154,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	if cfg.Policy == nil && cfg.NewPolicy == nil {
 		return nil, fmt.Errorf("%w: config: no policy", ErrInvalid)
+	}
+	if cfg.Host == nil {
+		return nil, fmt.Errorf("%w: config: no CPU path (Config.Host)", ErrInvalid)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -258,7 +261,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.tier = newTiering(e)
 	e.hold = newRestartHold(e)
 	const bufSize = 4 << 20
-	host, err := staging.NewMover(staging.Config{
+	host, err := cfg.Host(HostSpec{
 		Workers:    cfg.IOWorkers,
 		CPUs:       cfg.CPUs,
 		BufferSize: bufSize,

@@ -334,7 +334,7 @@ func TestOpenRefusesMountsThatOverlap(t *testing.T) {
 			for _, m := range tc.mounts {
 				mounts = append(mounts, Mount{Path: dir + "/" + m})
 			}
-			e, err := Open(ctx, Config{Mounts: mounts, Policy: newTestPolicy(1, abi.OrderLayerMajor), Logger: testLogger(t)})
+			e, err := testOpen(ctx, Config{Mounts: mounts, Policy: newTestPolicy(1, abi.OrderLayerMajor), Logger: testLogger(t)})
 			if err == nil {
 				e.Close(ctx)
 			}

@@ -149,7 +149,7 @@ func storeBatches(ctx context.Context, e *Engine, c *testCache, prefix string, p
 // until it is killed.
 func crashChild(dir string, start int) error {
 	ctx := context.Background()
-	e, err := Open(ctx, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, abi.OrderBlockMajor), IOWorkers: 2})
+	e, err := testOpen(ctx, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, abi.OrderBlockMajor), IOWorkers: 2})
 	if err != nil {
 		return err
 	}

@@ -168,7 +168,7 @@ func openEngine(t testing.TB, cfg Config) *Engine {
 	if cfg.IOWorkers == 0 {
 		cfg.IOWorkers = 2
 	}
-	e, err := Open(context.Background(), cfg)
+	e, err := testOpen(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -52,7 +52,7 @@ func newHoldFixture(t *testing.T, found, capFiles int, hold time.Duration) *hold
 	r := rand.New(rand.NewPCG(5, 6))
 	f.blocks = blockLists(r, len(f.keys), 4, 0)
 
-	first, err := Open(ctx, Config{
+	first, err := testOpen(ctx, Config{
 		Mounts: []Mount{{Path: dir, Capacity: 64 * fileLen}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
 		IOWorkers: 2, Logger: testLogger(t),
 	})
@@ -324,7 +324,7 @@ func TestCloseWaitsForTheRestartHoldsRelease(t *testing.T) {
 	dir := f.e.mounts[0].root
 	f.e.Close(context.Background())
 	pol := &unpinGate{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), entered: make(chan struct{}), release: make(chan struct{})}
-	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir}}, Policy: pol, RestartHold: time.Hour,
+	e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: dir}}, Policy: pol, RestartHold: time.Hour,
 		IOWorkers: 2, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
@@ -362,7 +362,7 @@ func TestCloseBeforeTheRestartHoldEndsTellsThePolicyNothing(t *testing.T) {
 	f.e.Close(context.Background())
 	pol := &unpinGate{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), entered: make(chan struct{}), release: make(chan struct{})}
 	close(pol.release) // never wait: entered closes on the first unpin
-	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir}}, Policy: pol, RestartHold: time.Hour,
+	e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: dir}}, Policy: pol, RestartHold: time.Hour,
 		IOWorkers: 2, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
@@ -844,7 +844,7 @@ func (r *restarts) startNS(t *testing.T, hold time.Duration, capFiles int) (*Eng
 	newLRU := func(idx policy.Index) (policy.Policy, error) {
 		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: testLogger(t)})
 	}
-	e, err := Open(context.Background(), Config{
+	e, err := testOpen(context.Background(), Config{
 		Mounts: []Mount{{Path: r.dir, Capacity: capacity, HighWatermark: 0.75, LowWatermark: 0.5}}, NewPolicy: newLRU,
 		IOWorkers: 2, Logger: testLogger(t), LockFile: r.lock, RestartHold: hold, Now: r.clock.now,
 	})

@@ -11,7 +11,6 @@ import (
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -19,15 +18,48 @@ import (
 //
 // Every file's payload moves as a transfer.Plan, built once per file from
 // the format's layout walk, handed to the mover of the file's mount for the
-// cache's region kind: host memory goes through the CPU staging pipeline
-// (staging.Mover) unless Config.Movers names another; other kinds (device
-// memory) need a mover from Config.Movers.
+// cache's region kind: host memory goes through the CPU path that
+// Config.Host builds (the daemon's: the staging pipeline) unless
+// Config.Movers names another; other kinds (device memory) need a mover
+// from Config.Movers. The engine imports no data path: the daemon's
+// assembly picks them all.
+
+// HostPath is the CPU path: the mover of host memory on every mount, whose
+// workers are the engine's I/O workers (Config.Host builds it; the
+// daemon's is the staging pipeline, staging.Mover). The engine closes it
+// at Close.
+type HostPath interface {
+	// For returns the path's mover for a mount whose files are opened
+	// with O_DIRECT (direct) or not.
+	For(direct bool) transfer.Mover
+	// Buffers reports the path's bounce buffers: in use now, the most
+	// that may exist, and their size in bytes.
+	Buffers() (inUse, limit, size int)
+	// Close stops the path's workers.
+	Close()
+}
+
+// HostSpec is what the engine asks of its CPU path (Config.Host), from
+// its Config: Workers I/O workers (Config.IOWorkers), pinned to CPUs
+// round-robin where set, bounce buffers of BufferSize bytes, at most
+// Buffers of them (Config.StagingBytes), and a worker's CPU given up after
+// every YieldBytes it moved (0: never).
+type HostSpec struct {
+	Workers    int
+	CPUs       []int
+	BufferSize int
+	Buffers    int
+	YieldBytes int64
+}
+
+// HostFactory builds the CPU path of an engine (Config.Host).
+type HostFactory func(HostSpec) (HostPath, error)
 
 // movers is how the engine moves payloads: the CPU path, the name of
 // each memory kind's movers, and the slots that bound the files in
 // flight. Open sets them; they never change after.
 type movers struct {
-	host  *staging.Mover         // the CPU path; its pool is the engine's I/O workers
+	host  HostPath               // the CPU path; its workers are the engine's I/O workers
 	paths map[region.Kind]string // pathName of each kind with a mover, set with the movers
 	slots fileSlots              // the files in flight
 }
@@ -45,8 +77,8 @@ type MountInfo struct {
 // mover between mounts).
 type MoverFactory func(MountInfo) (transfer.Mover, error)
 
-// buildMovers sets every mount's movers: the staging pipeline for host
-// memory, and what cfg.Movers builds.
+// buildMovers sets every mount's movers: the CPU path for host memory,
+// and what cfg.Movers builds.
 func (e *Engine) buildMovers() error {
 	for _, m := range e.mounts {
 		info := MountInfo{Index: m.idx, Path: m.root, Direct: m.direct, Memory: m.memory}

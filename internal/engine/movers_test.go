@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -294,5 +295,19 @@ func TestMountChecksumOff(t *testing.T) {
 				t.Fatalf("mount %d: file flagged checked %v", i, checked)
 			}
 		}
+	}
+}
+
+// TestOpenRefusesAConfigWithoutACPUPath: the engine builds no data path
+// of its own, so Open refuses a Config whose Host is nil, naming it,
+// before it touches a mount.
+func TestOpenRefusesAConfigWithoutACPUPath(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "mount")
+	_, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), Logger: testLogger(t)})
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "Config.Host") {
+		t.Fatalf("Open without Config.Host: %v, want ErrInvalid naming Config.Host", err)
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("Open without Config.Host made the mount's root: %v", err)
 	}
 }

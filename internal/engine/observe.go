@@ -73,7 +73,5 @@ func (e *Engine) pathName(kind region.Kind) string {
 // StagingUsage reports the CPU staging pipeline's bounce buffers: in use
 // now, the most that may exist (Config.StagingBytes), and their size.
 func (e *Engine) StagingUsage() (inUse, limit, size int) {
-	b := e.mv.host.Pool().Buffers()
-	inUse, limit = b.Usage()
-	return inUse, limit, b.Size()
+	return e.mv.host.Buffers()
 }

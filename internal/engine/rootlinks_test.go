@@ -44,7 +44,7 @@ func openOnRoot(t *testing.T, root string, fs fsys.FS) *Engine {
 	pol := &fixedPathPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
 	name := "k.kv"
 	pol.path.Store(&name)
-	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: root}}, NodeID: "a", FS: fs, IOWorkers: 2, Logger: testLogger(t),
+	e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: root}}, NodeID: "a", FS: fs, IOWorkers: 2, Logger: testLogger(t),
 		NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
 	if err != nil {
 		t.Fatal(err)

@@ -484,7 +484,7 @@ func TestLockFile(t *testing.T) {
 	dir, state := t.TempDir(), t.TempDir()
 	lock := filepath.Join(state, "kvhost.lock")
 	cfg := Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: "n", LockFile: lock, Logger: testLogger(t), IOWorkers: 2}
-	first, err := Open(context.Background(), cfg)
+	first, err := testOpen(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -499,7 +499,7 @@ func TestLockFile(t *testing.T) {
 	if err := ProbeNodeLock(lock); !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), fmt.Sprintf("process %d", os.Getpid())) {
 		t.Fatalf("ProbeNodeLock of the held lock: %v, want ErrLocked naming process %d", err, os.Getpid())
 	}
-	second, err := Open(context.Background(), cfg)
+	second, err := testOpen(context.Background(), cfg)
 	if !errors.Is(err, ErrLocked) {
 		if second != nil {
 			second.Close(context.Background())
@@ -519,7 +519,7 @@ func TestLockFile(t *testing.T) {
 	if err := ProbeNodeLock(filepath.Join(state, "none.lock")); err != nil {
 		t.Fatalf("ProbeNodeLock of no file: %v", err)
 	}
-	third, err := Open(context.Background(), cfg)
+	third, err := testOpen(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("Open after the first closed: %v", err)
 	}

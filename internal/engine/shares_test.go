@@ -209,7 +209,7 @@ func BenchmarkSpareWorkPerStore(b *testing.B) {
 			}
 			defer os.RemoveAll(dir)
 			g := smallGeometry(false)
-			e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: 1 << 30, Preallocate: 64 * fileLenOf(g)}}, Policy: newTestPolicy(1, 0), Logger: slog.New(slog.DiscardHandler)})
+			e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: 1 << 30, Preallocate: 64 * fileLenOf(g)}}, Policy: newTestPolicy(1, 0), Logger: slog.New(slog.DiscardHandler)})
 			if err != nil {
 				b.Fatal(err)
 			}

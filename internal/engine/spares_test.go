@@ -619,7 +619,7 @@ func TestOpenRemovesTheSparesOfEnginesThatEnded(t *testing.T) {
 // its owner file (here its policy fails to start) removes it.
 func TestOpenThatFailsLeavesNoOwnerFile(t *testing.T) {
 	dir := tmpfsDir(t)
-	_, err := Open(context.Background(), Config{
+	_, err := testOpen(context.Background(), Config{
 		Mounts: []Mount{{Path: dir}}, IOWorkers: 2, Logger: testLogger(t),
 		NewPolicy: func(policy.Index) (policy.Policy, error) { return nil, errors.New("no policy today") },
 	})

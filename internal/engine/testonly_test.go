@@ -3,11 +3,14 @@
 package engine
 
 import (
+	"context"
 	"errors"
 	"strings"
 
 	"github.com/kvhost/kvhost/internal/engine/accesslog"
 	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // What only the engine's tests use of its code: built, as they are, with
@@ -27,4 +30,34 @@ func isJournal(name string) bool {
 // mount's room holds exactly its indexed files. Tests call it.
 func (e *Engine) check() error {
 	return errors.Join(e.ix.Check(), e.space.Check(), e.ix.CheckAtRest(e.space.Mounts(), e.space.UsageAtRest))
+}
+
+// testOpen is Open with the staging pipeline as the CPU path where cfg
+// names none (the daemon's, internal/daemon/hostpath, which imports the
+// engine and so cannot be the engine's tests').
+func testOpen(ctx context.Context, cfg Config) (*Engine, error) {
+	if cfg.Host == nil {
+		cfg.Host = stagingHost
+	}
+	return Open(ctx, cfg)
+}
+
+// stagingHost is hostpath.Staging, for the engine's tests.
+func stagingHost(s HostSpec) (HostPath, error) {
+	m, err := staging.NewMover(staging.Config{Workers: s.Workers, CPUs: s.CPUs, BufferSize: s.BufferSize, Buffers: s.Buffers, YieldBytes: s.YieldBytes})
+	if err != nil {
+		return nil, err
+	}
+	return stagingPath{m}, nil
+}
+
+// stagingPath is a staging.Mover as a HostPath.
+type stagingPath struct{ *staging.Mover }
+
+func (p stagingPath) For(direct bool) transfer.Mover { return p.Mover.For(direct) }
+
+func (p stagingPath) Buffers() (inUse, limit, size int) {
+	b := p.Pool().Buffers()
+	inUse, limit = b.Usage()
+	return inUse, limit, b.Size()
 }

@@ -37,7 +37,7 @@ func BenchmarkVLLMFSRows(b *testing.B) {
 			dir := benchDir(b)
 			workers := max(2, runtime.GOMAXPROCS(0))
 			tier := newFSTier(filepath.Join(dir, "vllm"), rowBytes)
-			e, err := Open(ctx, Config{
+			e, err := testOpen(ctx, Config{
 				Mounts:    []Mount{{Path: tier.root, VLLMFS: &VLLMFS{Fields: tier.fields(), Namespace: tierModel}}},
 				Policy:    newTestPolicy(1, abi.OrderLayerMajor),
 				IOWorkers: workers, Logger: testLogger(b),

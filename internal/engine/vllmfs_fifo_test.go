@@ -95,7 +95,7 @@ func TestAVllmFSConfigThatIsANamedPipeBlocksNoStart(t *testing.T) {
 				t.Fatal(err)
 			}
 			testwait.ReturnsDespitePipe(t, "Open", pipe, func() {
-				e, err := Open(context.Background(), Config{Mounts: []Mount{mount}, Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
+				e, err := testOpen(context.Background(), Config{Mounts: []Mount{mount}, Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
 				if err == nil {
 					e.Close(context.Background())
 				}

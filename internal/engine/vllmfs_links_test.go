@@ -313,7 +313,7 @@ func TestAVllmFSConfigIsNeverReadThroughALink(t *testing.T) {
 	if err := os.Symlink(theirs, link); err != nil {
 		t.Fatal(err)
 	}
-	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
+	e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
 		Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
 	if err == nil {
 		e.Close(context.Background())
@@ -417,7 +417,7 @@ func TestAVllmFSBaseDirectoryThatIsALinkAtStartIsTheOperators(t *testing.T) {
 			if err := os.Symlink(elsewhere, tier.base()); err != nil {
 				t.Fatal(err)
 			}
-			e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
+			e, err := testOpen(context.Background(), Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
 				Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
 			if err == nil {
 				e.Close(context.Background())
@@ -505,7 +505,7 @@ func openSwappingBase(t *testing.T, tier fsTier, outside string, at func(op fsys
 		}
 		return fsys.Fault{}
 	})
-	e, err := Open(context.Background(), Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: swap},
+	e, err := testOpen(context.Background(), Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: swap},
 		Mounts: []Mount{{Path: tier.root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
 		Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
 	if err == nil {

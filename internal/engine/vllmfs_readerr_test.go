@@ -43,7 +43,7 @@ func TestAVllmFSConfigThatCannotBeReadIsNeverWrittenAnew(t *testing.T) {
 		}
 		return fsys.Fault{}
 	})}
-	e, err := Open(context.Background(), Config{FS: files, Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
+	e, err := testOpen(context.Background(), Config{FS: files, Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
 		Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
 	if err == nil {
 		e.Close(context.Background())

@@ -337,7 +337,7 @@ func TestVLLMFSAdoptsModelOfRelativePath(t *testing.T) {
 
 			other := tier
 			other.tp = 2
-			_, err = Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: other.fields()}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: testLogger(t)})
+			_, err = testOpen(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: other.fields()}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: testLogger(t)})
 			if !errors.Is(err, vllmfs.ErrMismatch) || !strings.Contains(err.Error(), "tp_size: 1, not 2") {
 				t.Fatalf("open with another geometry of the model: %v", err)
 			}
@@ -500,7 +500,7 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 		other.init(t)
 		other.store(t, tierKeys(1, 1)[0], make([]byte, 8192))
 		tier := newFSTier(root, 8192)
-		_, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: tier.fields()}}}, Policy: pol(), Logger: testLogger(t)})
+		_, err := testOpen(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: tier.fields()}}}, Policy: pol(), Logger: testLogger(t)})
 		if !errors.Is(err, ErrInvalid) || !errors.Is(err, vllmfs.ErrMismatch) || !strings.Contains(err.Error(), "tp_size: 2, not 1") {
 			t.Fatalf("open: %v", err)
 		}
@@ -515,7 +515,7 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 		p := filepath.Join(tier.base(), "config.json")
 		os.WriteFile(p, []byte(strings.Replace(tier.configJSON(), `"tp_size": 1`, `"tp_size": 4`, 1)), 0o644)
 		for _, v := range []*VLLMFS{{Fields: tier.fields()}, {}} {
-			_, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: v}}, Policy: pol(), Logger: testLogger(t)})
+			_, err := testOpen(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: v}}, Policy: pol(), Logger: testLogger(t)})
 			// Readable but edited: the error says it hashes to another
 			// name, never that it was unreadable.
 			if !errors.Is(err, ErrInvalid) || !errors.Is(err, vllmfs.ErrMismatch) ||
@@ -525,7 +525,7 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 		}
 	})
 	t.Run("nothing to adopt", func(t *testing.T) {
-		_, err := Open(ctx, Config{Mounts: []Mount{{Path: t.TempDir(), VLLMFS: &VLLMFS{}}}, Policy: pol(), Logger: testLogger(t)})
+		_, err := testOpen(ctx, Config{Mounts: []Mount{{Path: t.TempDir(), VLLMFS: &VLLMFS{}}}, Policy: pol(), Logger: testLogger(t)})
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "configure the fields") {
 			t.Fatalf("open: %v", err)
 		}
@@ -537,7 +537,7 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 		tier.init(t)
 		p := filepath.Join(tier.base(), "config.json")
 		os.WriteFile(p, nil, 0o644)
-		_, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{}}}, Policy: pol(), Logger: testLogger(t)})
+		_, err := testOpen(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{}}}, Policy: pol(), Logger: testLogger(t)})
 		if !errors.Is(err, ErrInvalid) || !errors.Is(err, vllmfs.ErrConfig) || !strings.Contains(err.Error(), "configure the fields") || !strings.Contains(err.Error(), p) {
 			t.Fatalf("open: %v", err)
 		}
@@ -736,7 +736,7 @@ func TestVLLMFSStartsOverConfigCutByACrash(t *testing.T) {
 			if !tc.adopt {
 				v.Fields = tier.fields()
 			}
-			e, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: v}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: log})
+			e, err := testOpen(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: v}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: log})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -772,7 +772,7 @@ func TestVLLMFSBesideKVHostMounts(t *testing.T) {
 	kv, rootFS := t.TempDir(), t.TempDir()
 	tier := newFSTier(rootFS, 8192)
 	v := &VLLMFS{Fields: tier.fields(), Namespace: tierModel}
-	if _, err := Open(ctx, Config{Mounts: []Mount{{Path: rootFS, VLLMFS: v}, {Path: kv}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: testLogger(t)}); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "list vllm-fs mounts last") {
+	if _, err := testOpen(ctx, Config{Mounts: []Mount{{Path: rootFS, VLLMFS: v}, {Path: kv}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: testLogger(t)}); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "list vllm-fs mounts last") {
 		t.Fatalf("vllm-fs mount first: %v", err)
 	}
 	e := openEngine(t, Config{Mounts: []Mount{{Path: kv}, {Path: rootFS, VLLMFS: v}}, Policy: newTestPolicy(1, abi.OrderBlockMajor)})
@@ -811,7 +811,7 @@ const vllmfsCrashRow = 2 << 20
 func vllmfsCrashChild(root string) error {
 	ctx := context.Background()
 	tier := newFSTier(root, vllmfsCrashRow)
-	e, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: tier.fields(), Namespace: tierModel}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), IOWorkers: 2})
+	e, err := testOpen(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: tier.fields(), Namespace: tierModel}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), IOWorkers: 2})
 	if err != nil {
 		return err
 	}

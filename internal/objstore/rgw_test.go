@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/daemon/hostpath"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/objstore"
 	"github.com/kvhost/kvhost/internal/testwait"
@@ -80,6 +81,7 @@ func openNode(t testing.TB, dir string, cfg objstore.Config) *node {
 	}
 	t.Cleanup(func() { st.Close() })
 	eng, err := engine.Open(ctx, engine.Config{
+		Host:   hostpath.Staging,
 		Mounts: []engine.Mount{{Path: dir}},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})

@@ -19,6 +19,7 @@ import (
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/daemon/hostpath"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/testsock"
@@ -56,6 +57,7 @@ var benchPolicyCache = sync.OnceValue(testwasm.Cache)
 func openEngineWith(tb testing.TB, dir string, edit func(*engine.Config)) *engine.Engine {
 	tb.Helper()
 	cfg := engine.Config{
+		Host:   hostpath.Staging,
 		Mounts: []engine.Mount{{Path: dir, Capacity: 1 << 30}},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			if _, bench := tb.(*testing.B); bench {
