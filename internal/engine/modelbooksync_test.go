@@ -1,3 +1,5 @@
+//go:build invariants
+
 package engine
 
 import (
