@@ -116,6 +116,49 @@ class Stages(unittest.TestCase):
         self.assertNotEqual(geos[0].model, geos[1].model)
         self.assertEqual([g.layers for g in geos], [half, half])
 
+    def stage_idents(self):
+        """The identities of two stages of a PP=2 engine (each its half of
+        NAMES) and a third engine's of one stage (no "stage")."""
+        o = C.options({"socket": "/nonexistent"})
+        half = len(NAMES) // 2
+        out = []
+        for s in (0, 1):
+            cfg = offloading_config("/nonexistent", rank=s)
+            cfg.parallel.pp_size, cfg.parallel.world_size = 2, 2
+            cfg.groups = (type(cfg.groups[0])(tokens_per_block=BLOCK,
+                                              layer_names=tuple(NAMES[s * half:(s + 1) * half])),)
+            cfg.worker_kv_bytes_per_block = half * PAGE
+            out.append(C.identity(cfg, o))
+        return out
+
+    def test_the_scheduler_learns_every_stage_or_none(self):
+        from kvhost.vllm._conn_stages import StageIdentity, stage_identities
+        i0, i1 = self.stage_idents()
+        self.assertEqual((i0["stage"], i1["stage"]), (0, 1))
+        metas = [StageIdentity(0, 0, i0), StageIdentity(1, 0, i1), object()]  # another connector's: ignored
+        metas = pickle.loads(pickle.dumps(metas[:2])) + metas[2:]
+        self.assertEqual(stage_identities(i0, 2, metas), [i0, i1])
+        self.assertIsNone(stage_identities(i0, 2, metas[:1]))  # stage 1 never said
+
+    def test_stages_that_disagree_beyond_their_layers_are_refused_by_name(self):
+        import copy
+        from kvhost.vllm._conn_stages import StageIdentity, stage_identities
+        i0, i1 = self.stage_idents()
+        other_dtype = copy.deepcopy(i1)
+        other_dtype["fields"]["dtype"] = "float16"
+        other_layers = copy.deepcopy(i1)
+        other_layers["fields"]["kv_cache_groups"][0]["layer_names"] = ["x"]
+        cases = [
+            ("another dtype", [StageIdentity(1, 0, other_dtype)], r"stage 1, shard 0.*fields\.dtype"),
+            ("a stage the engine has not", [StageIdentity(2, 0, i1)], "stage 2; the engine has 2"),
+            ("the stage's shards name other layers", [StageIdentity(1, 0, i1), StageIdentity(1, 1, other_layers)],
+             "stage 1 name different layers"),
+            ("a stage its identity does not name", [StageIdentity(0, 0, i1)], "stage 0 names stage 1"),
+        ]
+        for what, metas, want in cases:
+            with self.subTest(what), self.assertRaisesRegex(ValueError, want):
+                stage_identities(i0, 2, [StageIdentity(0, 0, i0)] + metas)
+
 
 # -- a hybrid model's round trip without vLLM -----------------------------------------
 

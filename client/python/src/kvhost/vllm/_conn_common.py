@@ -165,10 +165,11 @@ def identity(config, o, kv_cache_config=None):
     """What every key of this engine's connector shares (JSON-safe): the
     tier's and spec's identity rule (model, dtype, tokens per hash and
     key, parallel sizes, KV-cache groups: _namespace.identity) with this
-    connector's format, page layout, tensor layout and page size, and,
-    for a model of more than one KV-cache group or of one that is not
-    plain full attention, each group's spec (kv_groups: kind, window,
-    dtype, page size, replicated; _conn_groups). IdentityUnknown names a
+    connector's format, page layout, tensor layout and page size, the
+    pipeline stage where there are several (_conn_stages), and, for a
+    model of more than one KV-cache group or of one that is not plain
+    full attention, each group's spec (kv_groups: kind, window, dtype,
+    page size, replicated; _conn_groups). IdentityUnknown names a
     field vLLM did not give; ValueError a model the connector cannot
     serve."""
     layout = o["page_layout"] if o["page_layout"] is not None else default_page_layout()
@@ -187,6 +188,9 @@ def identity(config, o, kv_cache_config=None):
         ident["kv_groups"] = [{**dataclasses.asdict(g), "layer_names": list(g.layer_names)} for g in kvg]
         ident["page_bytes"] = kvg[0].page_bytes
         pages = [g.page_bytes for g in kvg if g.kind != groups_.STATE]
+    if groups_.stages(config) > 1:
+        # A pipeline stage's keys are its layers' (_conn_stages).
+        ident["stage"] = groups_.place(config)[0]
     if o["tensor_layout"] == "planes":
         for pb in pages:
             if pb % 2:

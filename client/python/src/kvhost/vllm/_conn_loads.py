@@ -55,6 +55,8 @@ class ConnectorLoads:
         ranges, where = {}, {}  # (group, layer group) -> (first, count); layer name -> its (group, layer group)
         for g in self._groups:
             nl = len(g.layer_names)
+            if not nl:
+                continue
             per_load = getattr(meta, "layers_per_load", 0) or self._opts["layers_per_load"]
             lgs = layer_groups(nl, per_load if ranged else nl, self._opts["layer_groups"])
             for lg, (first, count) in enumerate(lgs):
@@ -66,6 +68,8 @@ class ConnectorLoads:
         # The scheduler delays the free of these requests' blocks until
         # get_finished reports them, their loads ended.
         self._loaded.update(t.req_id for t in loads)
+        # A group none of whose layers are this pipeline stage's: nothing to load here.
+        loads = [t for t in loads if self._groups[t.group].layer_names]
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
         bad = [i for i, b in enumerate(blocks) if any(x != p.NO_BLOCK and not 0 <= x < self._nblocks for x in b)]

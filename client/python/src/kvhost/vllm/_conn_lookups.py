@@ -70,13 +70,20 @@ class SchedulerLookups:
         where the table cannot answer). A hybrid model's prefix counts
         only where every KV-cache group holds what it needs (full
         attention every chunk, a window the chunks of its window before
-        the end, a state group the state at the end: _held)."""
+        the end, a state group the state at the end: _held), and under
+        pipeline parallelism only where every stage holds it (each group's
+        namespaces are every stage's)."""
         st = self._state(request)
         keys = self._keys(st)
         total = getattr(request, "num_prompt_tokens", None) or request.num_tokens
         last = min(len(keys), (total - 1) // self._chunk)  # vLLM computes at least one token
         first = computed // self._chunk
         if last <= first:
+            return computed
+        if self._stages is None:
+            # A later pipeline stage's namespaces are not known yet
+            # (learn_stages): no prefix is known held by every stage.
+            self._stats["stages_unknown"] += 1
             return computed
         client, nss = self._ask(), self._ns
         if client is None:

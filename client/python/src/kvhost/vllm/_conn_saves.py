@@ -36,7 +36,9 @@ class ConnectorSaves:
         self._saving.update(t.req_id for t in saves)
         # A replicated group (MLA's latent KV) is the same on every rank:
         # rank 0 writes it (every rank still reports the request finished).
-        saves = [t for t in saves if self.shard == 0 or not self._groups[t.group].replicated]
+        # A group none of whose layers are this pipeline stage's has nothing here.
+        saves = [t for t in saves if (self.shard == 0 or not self._groups[t.group].replicated)
+                 and self._groups[t.group].layer_names]
         if not saves:
             return
         if self._usable() is None:

@@ -9,6 +9,7 @@ import time
 
 from .. import protocol as p
 from . import _conn_groups as groups_
+from . import _conn_stages as stages_
 from . import _namespace as ns_
 from . import _pages as pages_
 from ._common import daemon_state, setup_timeout
@@ -40,7 +41,12 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         self._tph = ns_.count(config, "cache.tokens_per_hash", "tokens per hash")
         self._hpc = self._chunk // self._tph
         self._tp = groups_.shards(config)
-        layers = len(grp["layer_names"])
+        # Every pipeline stage's identity (its layers name its namespaces):
+        # None until each stage's workers have told it (learn_stages);
+        # meanwhile nothing is claimed.
+        self._pp = groups_.stages(config)
+        self._stages = [ident] if self._pp == 1 else None
+        layers = max(1, len(grp["layer_names"]))  # (stage 0's; a stage may hold none of group 0)
         self.cost = cost_model(o, ident["page_bytes"] * layers / self._tpb, layers)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -61,52 +67,103 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         self._salts = o["salt_namespaces"]
         # The namespaces' names: None (the engine's) and each salt's name.
         self._ns_names = [None] + sorted(set(self._salts.values()))
-        per_name = sum(self._ranks(g) for g in range(len(self._groups)))
+        per_name = self._pp * sum(self._ranks(g) for g in range(len(self._groups)))
         if len(self._ns_names) * per_name > _MAX_NAMESPACES:
             raise ValueError(f"kvhost.vllm: salt_namespaces: {len(self._ns_names) - 1} names and the engine's own "
-                             f"namespace, each of {per_name} namespaces (KV-cache groups at each rank), are more "
-                             f"than the {_MAX_NAMESPACES} namespaces a connection may declare")
+                             f"namespace, each of {per_name} namespaces (KV-cache groups at each rank of each "
+                             f"pipeline stage), are more than the {_MAX_NAMESPACES} namespaces a connection may "
+                             "declare")
         conn, absent = self._connect_at_start()
         self._client, self._ns = conn or (None, None)
         if absent is not None:
             self._start_unconnected(absent)
         # BlockStored of the chunks its saves stored, and BlockRemoved of
         # those the daemon drops, from a connection of their own, where
-        # vLLM's KV events are on (docs/routers.md). A chunk is held where
-        # every rank's namespace of its salt name holds it.
-        events, api = bool(getattr(config, "enable_kv_cache_events", False)), None
-        if events:
+        # vLLM's KV events are on (docs/routers.md).
+        self._events, self._event_api = bool(getattr(config, "enable_kv_cache_events", False)), None
+        if self._events:
             try:
-                api = kv_event_api()
+                self._event_api = kv_event_api()
             except ImportError as e:  # a vLLM without them: nothing to report with
-                events = False
+                self._events = False
                 log.warning("kvhost connector: vLLM's KV-event classes do not import (%s): no KV events", e)
-        # (Group 0's keys: a chunk is announced once group 0 holds it.)
-        where = [(i, r) for i in range(len(self._ns_names)) for r in range(self._ranks(0))]
-        self._removals = ConnectorRemovals(
-            api, o["socket"], [geometry(ident, r, self._ns_names[i]) for i, r in where],
-            groups=[i for i, _ in where], medium=getattr(api, "medium", "STORAGE"),
-            media=parse_media(o["mount_media"]), events=events, name=o["client_name"] + "-removals",
+        self._removals = self._make_removals()
+
+    def _make_removals(self):
+        """The removal machinery over every known stage's namespaces of
+        group 0 at each rank and salt name: a chunk is held where every
+        one of its salt name holds it (announced once group 0 holds it)."""
+        o, api = self._opts, self._event_api
+        where = [(i, ident, r) for i in range(len(self._ns_names)) for ident in self._stages or [self._ident]
+                 if stages_.group_here(ident, 0) for r in range(self._ranks(0))]
+        return ConnectorRemovals(
+            api, o["socket"], [geometry(ident, r, self._ns_names[i]) for i, ident, r in where],
+            groups=[i for i, _, _ in where], medium=getattr(api, "medium", "STORAGE"),
+            media=parse_media(o["mount_media"]), events=self._events, name=o["client_name"] + "-removals",
             max_tracked=o["max_tracked_keys"], reconnect_s=o["reconnect_s"], timeout=setup_timeout(o),
             what="connector removals")
 
-    def _open(self):
-        def set_up(client):
-            nss = {}  # salt name (None: the engine's) -> per KV-cache group its namespace at each rank
-            for name in self._ns_names:
-                nss[name] = []
-                for g in range(len(self._groups)):
-                    at = []
+    def _declare(self, client, stages):
+        """{salt name (None: the engine's): per KV-cache group its
+        namespaces at each rank of each stage of stages (identities) that
+        holds layers of it}, declared on client."""
+        nss = {}
+        for name in self._ns_names:
+            nss[name] = []
+            for g in range(len(self._groups)):
+                at = []
+                for ident in stages:
+                    if not stages_.group_here(ident, g):
+                        continue
                     for r in range(self._ranks(g)):
-                        geo = geometry(self._ident, r, name, g)
+                        geo = geometry(ident, r, name, g)
                         at.append(client.declare(geo))
                         ns_.check_served(at[-1].fingerprint, geo)
-                    nss[name].append(at)
-            return client, nss
+                nss[name].append(at)
+        return nss
+
+    def _open(self):
+        def set_up(client):
+            return client, self._declare(client, self._stages or [self._ident])
         # Every request of the scheduler's is made in a vLLM call (lookups,
         # pins, unpins): none waits past daemon_wait_s.
         return connect(self._opts, self._opts["client_name"], set_up,
                        " (set the connector option \"socket\" or KVHOST_SOCKET)", request_timeout=False)
+
+    def learn_stages(self, metas):
+        """Takes in the workers' StageIdentity values (vLLM's handshake
+        metadata, at start): with every pipeline stage's identity known,
+        lookups and pins cover every stage's namespaces (declared now on
+        the connection there is, by _open on a later one). A stage that
+        did not report leaves claims off (logged). ValueError: a stage
+        disagrees with the scheduler's identity beyond its layers."""
+        if self._pp == 1:
+            return
+        idents = stages_.stage_identities(self._ident, self._pp, metas)
+        if idents is None:
+            log.warning("kvhost connector: not every one of the %d pipeline stages' workers told the scheduler its "
+                        "layers (vLLM's KV connector handshake): nothing is claimed, prefixes are still saved",
+                        self._pp)
+            return
+        with self._cv:
+            self._stages = idents
+            client = self._client if self._broken is None else None
+        if client is not None:
+            try:
+                nss = self._declare(client, idents)
+            except Exception as e:  # noqa: BLE001 - the next connection declares them (_open)
+                log.warning("kvhost connector: declaring the pipeline stages' namespaces: %s", e)
+                with self._cv:
+                    if self._client is client:
+                        self._lost_locked(client, f"declaring the pipeline stages' namespaces: {e}")
+            else:
+                with self._cv:
+                    if self._client is client:
+                        self._ns = nss
+        if self._events:
+            old, self._removals = self._removals, self._make_removals()
+            old.close(self._opts["daemon_wait_s"])
+        log.info("kvhost connector: lookups cover %d pipeline stages", self._pp)
 
     def _ranks(self, g):
         """Ranks with a namespace of group g: one for a replicated group

@@ -119,8 +119,9 @@ class ConnectorWorker(ConnectorLoads, ConnectorSaves, _Half):
             return
         backends, layout = seen
         # A state group's pages are its states, whatever the attention
-        # backends' byte order: the attention groups' backends name it.
-        backends = [b for g, b in zip(self._groups, backends) if g.kind != groups_.STATE] or backends
+        # backends' byte order: the attention groups' backends name it
+        # (of this pipeline stage's groups: a group may have no layer here).
+        backends = [b for g, b in zip(self._groups, backends) if g.kind != groups_.STATE and b] or backends
         got = ns_.page_layout_text(backends, layout, False)
         want = self._ident["page_layout"]
         if got != want:
@@ -186,6 +187,8 @@ class ConnectorWorker(ConnectorLoads, ConnectorSaves, _Half):
             caches = {}  # one per namespace and KV-cache group, over the group's layers
             for name in self._ns_names:
                 for g in self._groups:
+                    if not g.layer_names:  # a group all of whose layers are another pipeline stage's
+                        continue
                     geo = geometry(self._ident, self.shard, name, g.index)
                     ns = client.declare(geo)
                     ns_.check_served(ns.fingerprint, geo)

@@ -157,17 +157,21 @@ def config_of(spec):
 
 def groups_of(config):
     """The KV-cache groups: [{"tokens_per_block", "layer_names"}], as vLLM's
-    fs tier records them."""
+    fs tier records them. A group may name no layer (a pipeline stage
+    holds none of it: vLLM keeps the group, empty, in the stage's
+    config), but not every group."""
     groups = attr(config, "groups")
     if not groups:
         raise _missing("KV-cache groups", "groups", groups)
     out = []
     for i, g in enumerate(groups):
         names = attr(g, "layer_names")
-        if not names or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
             raise _missing(f"layer names of KV-cache group {i}", f"groups[{i}].layer_names", names)
         out.append({"tokens_per_block": count(g, "tokens_per_block", f"tokens per block of group {i}"),
                     "layer_names": list(names)})
+    if not any(g["layer_names"] for g in out):
+        raise _missing("layer names of KV-cache group 0", "groups[0].layer_names", attr(groups[0], "layer_names"))
     return out
 
 

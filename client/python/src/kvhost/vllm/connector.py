@@ -27,7 +27,9 @@ from ._common import UnsupportedVLLM, vllm_installed
 from ._conn_common import (CONNECTOR_WINDOW, DEFAULT_CHUNK_TOKENS, IDENTITY_FORMAT, OPTIONS, STAT_KEYS,
                            ConnectorMetadata, Transfer, WorkerMeta, cost_model, default_page_layout, geometry,
                            identity, layer_groups, offloading_config, options)
+from . import _conn_groups as groups_
 from ._conn_scheduler import ConnectorScheduler
+from ._conn_stages import StageIdentity
 from ._conn_worker import ConnectorWorker
 from ._split import CostModel
 
@@ -227,11 +229,33 @@ class _ConnectorImpl:
         for its KV-transfer logging; None without vLLM's class."""
         return cls._stats_cls(data=dict(data or {})) if cls._stats_cls is not None else None
 
+    def get_handshake_metadata(self):
+        """This worker's StageIdentity under pipeline parallelism (vLLM
+        hands every worker's to the scheduler half at start:
+        set_xfer_handshake_metadata_pp_aware), else None (nothing to tell:
+        the scheduler's identity is every worker's)."""
+        if self._worker is None or groups_.stages(self._config) == 1:
+            return None
+        return StageIdentity(self._worker.stage, self._worker.shard, self._ident)
+
     def build_connector_worker_meta(self):
         """The step's measured loads (WorkerMeta) for the scheduler's split."""
         return self._worker.worker_meta() if self._worker is not None else None
 
     # -- scheduler side --------------------------------------------------------
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata):
+        """Takes in the workers' handshake metadata ({(pp rank, tp rank):
+        metadata}): every pipeline stage's StageIdentity, whose namespaces
+        the lookups then cover (others' metadata, under vLLM's
+        MultiConnector, is ignored)."""
+        if self._scheduler is not None:
+            self._scheduler.learn_stages(list((metadata or {}).values()))
+
+    def set_xfer_handshake_metadata(self, metadata):
+        """The handshake metadata of stage 0's workers ({tp rank:
+        metadata}), as vLLM's call without pipeline stages hands it."""
+        self.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in (metadata or {}).items()})
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         """(tokens to load beyond num_computed_tokens, False): the split's
