@@ -406,10 +406,6 @@ class TestRealKVEvents(Published, unittest.TestCase):
               f"p99 {q[98] * 1e3:.1f} ms; -> take_events: p50 {t[49] * 1e3:.1f} ms, p99 {t[98] * 1e3:.1f} ms")
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class PublishedInVllm(Published):
     """Published beside a vllm_tree.RealCase of another test module: its
     class set-up, then vLLM's event modules; its set-up, then the
@@ -554,3 +550,60 @@ class TestConnectorInVllm(PublishedInVllm, RealKvConnectorCase):
         got = self.until(step, lambda g: any(t == "BlockRemoved" for t, _, _, _ in g), "the removal")
         self.assertEqual([(t, f["block_hashes"], f["medium"]) for t, f, _, _ in got if t != "AllBlocksCleared"],
                          [("BlockRemoved", want[0], "STORAGE")])
+
+
+from test_vllm_real_hybrid import BLOCK as HBLOCK, BPC as HBPC, HybridCase  # noqa: E402
+
+
+@unittest.skipIf(_DEPS, _DEPS or "")
+@unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
+@unittest.skipIf(_wired("connector", "OPTIONS", "KV connector"), _wired("connector", "OPTIONS", "KV connector") or "")
+class TestHybridConnectorInVllm(PublishedInVllm, HybridCase):
+    """KvhostConnector of a hybrid model (full attention, sliding window,
+    Mamba) with vLLM's KV events on: every KV-cache group's chunks reach
+    the router, each event naming its group."""
+
+    def vllm_config(self, **kw):
+        vc = super().vllm_config(**kw)
+        from vllm.config.kv_events import KVEventsConfig
+        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
+        return vc
+
+    def test_every_groups_chunks_reach_the_router_stored_then_removed_under_their_group(self):
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+        from kvhost.vllm import connector
+        kinds = ("full", "window", "mamba")
+        with mock.patch.dict(sys.modules, {"vllm.distributed.kv_events": self.kv}):
+            sched, workers, _ = self.engine(seed=3, kinds=kinds)
+        wait_for(lambda: sched.counters()["events"].get("subscribed"), timeout=60, what="the subscription")
+        self.connected(self.kv.AllBlocksCleared())
+        nblk = 2 * HBPC + 1
+        req = self.request("a", "hybrid-router", nblk)
+        self.save_prompt(sched, workers, req, [list(range(b, b + nblk)) for b in (1, 20, 40)])
+        cv = convert()
+        chunks = [[cv(bytes(h)) for h in req.block_hashes[i * HBPC:(i + 1) * HBPC]] for i in range(2)]
+
+        def step():
+            self.publish(sched.take_events())
+        got = self.until(step, lambda g: sum(t == "BlockStored" for t, _, _, _ in g) >= 6, "the stored events")
+        stored = sorted((f["group_idx"], f["block_hashes"], f["block_size"]) for t, f, _, _ in got
+                        if t == "BlockStored")
+        self.assertEqual(stored, [(g, c, HBLOCK) for g in range(3) for c in chunks])
+        specs = [g.kv_cache_spec for g in self.kv_cache_config(kinds).kv_cache_groups]
+        named = {f["group_idx"]: f["kv_cache_spec_kind"] for t, f, _, _ in got if t == "BlockStored"}
+        self.assertEqual(named, {g: get_kv_cache_spec_kind(s).value for g, s in enumerate(specs)})
+        self.assertEqual(len(set(named.values())), 3, named)
+        # The window group's first chunk dropped by the daemon: a removal
+        # of that group only; the other groups' chunks get none.
+        other = kvhost.Client(self.daemon.socket)
+        self.addCleanup(other.close)
+        ns = other.declare(connector.geometry(sched._ident, 0, None, 1))
+        key = bytes(req.block_hashes[HBPC - 1]) + (1).to_bytes(4, "big")
+        self.assertEqual(other.delete(ns, [key]), 1)
+        got = self.until(step, lambda g: any(t == "BlockRemoved" for t, _, _, _ in g), "the removal")
+        self.assertEqual([(t, f["group_idx"], f["block_hashes"]) for t, f, _, _ in got if t != "AllBlocksCleared"],
+                         [("BlockRemoved", 1, chunks[0])])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -26,7 +26,7 @@ class ConnectorScheduler(SchedulerLookups, _Half):
     """The scheduler half: lookups through the shared lookup table, the
     split, pins of the keys to load, and each step's metadata."""
 
-    def __init__(self, config, ident, opts):
+    def __init__(self, config, ident, opts, event_specs=None):
         self._opts = o = opts
         self._ident = ident
         self._what = "connector scheduler"
@@ -81,6 +81,8 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         # those the daemon drops, from a connection of their own, where
         # vLLM's KV events are on (docs/routers.md).
         self._events, self._event_api = bool(getattr(config, "enable_kv_cache_events", False)), None
+        # Per KV-cache group, (kind, sliding window) as its events name them.
+        self._event_specs = list(event_specs or ()) + [(None, None)] * (len(self._groups) - len(event_specs or ()))
         if self._events:
             try:
                 self._event_api = kv_event_api()
@@ -90,18 +92,25 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         self._removals = self._make_removals()
 
     def _make_removals(self):
-        """The removal machinery over every known stage's namespaces of
-        group 0 at each rank and salt name: a chunk is held where every
-        one of its salt name holds it (announced once group 0 holds it)."""
+        """The removal machinery over every known stage's namespaces at
+        each rank, of each salt name and KV-cache group: a group's chunk
+        is held where every namespace of its salt name and group holds it
+        (_event_group)."""
         o, api = self._opts, self._event_api
-        where = [(i, ident, r) for i in range(len(self._ns_names)) for ident in self._stages or [self._ident]
-                 if stages_.group_here(ident, 0) for r in range(self._ranks(0))]
+        where = [(i, g, ident, r) for i in range(len(self._ns_names)) for g in range(len(self._groups))
+                 for ident in self._stages or [self._ident] if stages_.group_here(ident, g)
+                 for r in range(self._ranks(g))]
         return ConnectorRemovals(
-            api, o["socket"], [geometry(ident, r, self._ns_names[i]) for i, ident, r in where],
-            groups=[i for i, _, _ in where], medium=getattr(api, "medium", "STORAGE"),
+            api, o["socket"], [geometry(ident, r, self._ns_names[i], g) for i, g, ident, r in where],
+            groups=[self._event_group(i, g) for i, g, _, _ in where], medium=getattr(api, "medium", "STORAGE"),
             media=parse_media(o["mount_media"]), events=self._events, name=o["client_name"] + "-removals",
             max_tracked=o["max_tracked_keys"], reconnect_s=o["reconnect_s"], timeout=setup_timeout(o),
             what="connector removals")
+
+    def _event_group(self, salt, group):
+        """The removal machinery's group of namespaces of salt name index
+        salt and KV-cache group group."""
+        return salt * len(self._groups) + group
 
     def _declare(self, client, stages):
         """{salt name (None: the engine's): per KV-cache group its
@@ -369,7 +378,7 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         for g in self._groups:
             gkeys = self._keys(st, g.index)
             ids = st.blocks[g.index] if g.index < len(st.blocks) else []
-            ks, bs = [], []
+            ks, bs, cs = [], [], []
             for c in range(first, end):
                 b = groups_.save_blocks(g, c, ids, self._bpc)
                 if b is None:  # vLLM no longer holds it (outside a window, no state there)
@@ -377,26 +386,30 @@ class ConnectorScheduler(SchedulerLookups, _Half):
                     continue
                 ks.append(gkeys[c])
                 bs.append(b)
+                cs.append(c)
             if ks:
                 saves.append(Transfer(st.req.request_id, ks, bs, st.ns, g.index))
+                if self._removals.events_on:
+                    self._announce(st.req, gkeys, cs, self._ns_names.index(st.ns), g.index)
         st.next_save = end
         st.saved = True
-        if self._removals.events_on:
-            self._announce(st.req, keys, first, end, self._ns_names.index(st.ns))
 
-    def _announce(self, req, keys, first, end, group):
-        """Hands chunks first..end-1 of req to the removal machinery: a
-        BlockStored of each (its block hashes, parent, tokens) once the
-        daemon holds it in every rank's namespace, its BlockRemoved after."""
+    def _announce(self, req, keys, chunks, salt, group):
+        """Hands the chunks (indexes) of req that KV-cache group group
+        saves under keys to the removal machinery: a BlockStored of each
+        (its block hashes, parent, tokens, the group's index and spec)
+        once the daemon holds it in every namespace of the group and salt
+        name (each rank's, each stage's), its BlockRemoved after."""
         hashes = req.block_hashes
         tokens = getattr(req, "all_token_ids", None) or []
         lora = getattr(req, "lora_request", None)
-        for i in range(first, end):
+        for i in chunks:
             a, b = i * self._hpc, (i + 1) * self._hpc
             self._removals.saved(keys[i], [bytes(h) for h in hashes[a:b]], bytes(hashes[a - 1]) if a else None,
                                  list(tokens[i * self._chunk:(i + 1) * self._chunk]), self._tph,
                                  lora_id=getattr(lora, "adapter_id", None), lora_name=getattr(lora, "name", None),
-                                 group=group)
+                                 group_idx=group, group=self._event_group(salt, group),
+                                 spec=self._event_specs[group])
 
     def take_events(self):
         """BlockStored and BlockRemoved since the last call, without waiting

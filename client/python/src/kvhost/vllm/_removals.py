@@ -48,6 +48,7 @@ Importing this module imports nothing of vLLM.
 """
 
 import collections
+import itertools
 import threading
 import time
 
@@ -411,20 +412,23 @@ class ConnectorRemovals(_Tracked):
 
 
     def saved(self, key, block_hashes, parent_block_hash, token_ids, block_size, lora_id=None, lora_name=None,
-              extra_keys=None, group_idx=0, group=0):
+              extra_keys=None, group_idx=0, group=0, spec=(None, None)):
         """A chunk went to the workers to be stored under key (the daemon's
         key), holding block_hashes (vLLM's BlockHash bytes, in order) of
         block_size tokens each after parent_block_hash (None: the first),
         token_ids its tokens: once the daemon holds it, a BlockStored of
         them is queued, and its removal will name the same hashes. group:
         the group of namespaces it goes to (groups'; the connector's salt
-        namespace). Never waits on the daemon."""
+        namespace and KV-cache group); group_idx and spec (the KV-cache
+        group's kind and sliding window: event_specs) what the events say
+        of its KV-cache group. Never waits on the daemon."""
         if not self.events_on:
             return
         info = {"block_hashes": [bytes(h) for h in block_hashes],
                 "parent_block_hash": None if parent_block_hash is None else bytes(parent_block_hash),
                 "token_ids": list(token_ids), "block_size": int(block_size), "lora_id": lora_id,
-                "lora_name": lora_name, "extra_keys": extra_keys, "group_idx": group_idx}
+                "lora_name": lora_name, "extra_keys": extra_keys, "group_idx": group_idx,
+                "kv_cache_spec_kind": spec[0], "kv_cache_spec_sliding_window": spec[1]}
         dkey = bytes(key)
         with self._lock:
             if dkey in self._tracked or dkey in self._pending:
@@ -480,9 +484,11 @@ class ConnectorRemovals(_Tracked):
         events = []
         for kind, medium, items in out:
             if kind == "removed":
-                hashes = [cv(h) for e, _ in items for h in e.info["block_hashes"]]
-                events.append(_make(a.BlockRemoved, block_hashes=hashes, medium=medium,
-                                    group_idx=items[0][0].info["group_idx"], locality=self._locality))
+                # One BlockRemoved per run of one KV-cache group's chunks.
+                for g, run in itertools.groupby(items, key=lambda it: it[0].info["group_idx"]):
+                    hashes = [cv(h) for e, _ in run for h in e.info["block_hashes"]]
+                    events.append(_make(a.BlockRemoved, block_hashes=hashes, medium=medium, group_idx=g,
+                                        locality=self._locality))
                 continue
             for e, _ in items:
                 i = e.info
@@ -494,10 +500,12 @@ class ConnectorRemovals(_Tracked):
                     parent_block_hash=None if i["parent_block_hash"] is None else cv(i["parent_block_hash"]),
                     token_ids=i["token_ids"], block_size=i["block_size"], lora_id=i["lora_id"], medium=medium,
                     lora_name=i["lora_name"], extra_keys=i["extra_keys"], group_idx=i["group_idx"],
-                    locality=self._locality))
+                    kv_cache_spec_kind=i.get("kv_cache_spec_kind"),
+                    kv_cache_spec_sliding_window=i.get("kv_cache_spec_sliding_window"), locality=self._locality))
                 # A removal names only the hashes and the group: the rest
                 # is not kept (memory: max_tracked chunks).
-                e.info = {"block_hashes": i["block_hashes"], "group_idx": i["group_idx"]}
+                e.info = {k: i.get(k) for k in ("block_hashes", "group_idx", "kv_cache_spec_kind",
+                                                "kv_cache_spec_sliding_window")}
         return events
 
     def counters(self):
@@ -543,6 +551,20 @@ def _make(cls, **kw):
     lacks (locality, group_idx) is left out."""
     have = _fields_of(cls)
     return cls(**({k: v for k, v in kw.items() if k in have} if have else kw))
+
+
+def event_specs(kv_cache_config):
+    """Per KV-cache group of vLLM's KVCacheConfig, (kind, sliding window)
+    as vLLM's own events name them (get_kv_cache_spec_kind's value,
+    get_kv_cache_spec_sliding_window); (None, None) each where this vLLM
+    has no such helpers or no config was given."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:  # an older vLLM: its events carry no spec fields
+        return [(None, None)] * len(groups)
+    return [(get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in groups]
 
 
 def kv_event_api():

@@ -30,6 +30,7 @@ from ._conn_common import (CONNECTOR_WINDOW, DEFAULT_CHUNK_TOKENS, IDENTITY_FORM
 from . import _conn_groups as groups_
 from ._conn_scheduler import ConnectorScheduler
 from ._conn_stages import StageIdentity
+from ._removals import event_specs
 from ._conn_worker import ConnectorWorker
 from ._split import CostModel
 
@@ -141,7 +142,7 @@ class _ConnectorImpl:
         self._ident = identity(config, o, kv_cache_config)
         self._scheduler = self._worker = None
         if _role_name(role) == "SCHEDULER":
-            self._scheduler = ConnectorScheduler(config, self._ident, o)
+            self._scheduler = ConnectorScheduler(config, self._ident, o, event_specs(kv_cache_config))
             ktc = getattr(vllm_config, "kv_transfer_config", None)
             if getattr(ktc, "kv_load_failure_policy", None) == "fail":
                 log.warning("kvhost connector: kv_load_failure_policy is \"fail\": a load that fails (an evicted "
