@@ -15,6 +15,7 @@ test here reports itself skipped.
 
 import pickle
 import unittest
+from unittest import mock
 
 import test_vllm_real_hybrid as rh
 from test_vllm_real_hybrid import BLOCK, BPC, CHUNK, HybridCase
@@ -190,6 +191,24 @@ class PipelineStagesTest(StagesCase):
         self.assertEqual(sched.get_num_new_matched_tokens(self.request("d", "pp-x", 4 * BPC + 1), 0),
                          (2 * CHUNK, False))
         self.assertEqual(sched.get_num_new_matched_tokens(self.request("e", "pp-y", 4 * BPC + 1), 0), (0, False))
+
+    def test_a_claims_keys_are_pinned_in_every_stages_namespace_until_loaded(self):
+        sched, workers = self.stages(FULL_STAGES, ("full",), seed=8, load_split="all")
+        nblk = 2 * BPC + 1
+        self.save_prompt(sched, self.pairs(workers), self.request("a", "pp-pins", nblk), [list(range(1, 1 + nblk))])
+        req = self.request("b", "pp-pins", nblk)
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        self.assertEqual(n, 2 * CHUNK)
+        client = sched._scheduler._client
+        with mock.patch.object(client, "pin", wraps=client.pin) as pin:
+            sched.update_state_after_alloc(req, self.group_blocks([list(range(40, 40 + nblk))]), n)
+        self.assertEqual({c.args[0].geometry.model for c in pin.call_args_list},
+                         {self.model_of(w) for _, w, _ in workers})
+        self.assertEqual(sched.counters().get("pin_missed_keys", 0), 0)
+        req.num_computed_tokens = n
+        self.step(sched, self.pairs(workers), self.group_output(new=[(req, [list(range(40, 40 + nblk))])],
+                                                                scheduled={"b": BLOCK}))
+        self.assertEqual(sched.counters()["pinned_steps"], 0)
 
     def test_the_scheduler_claims_nothing_until_every_stage_has_told_it_its_layers(self):
         sched, workers = self.stages(FULL_STAGES, ("full",), seed=7, handshake=False, load_split="all")
