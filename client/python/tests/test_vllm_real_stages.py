@@ -23,9 +23,10 @@ from test_vllm_real_hybrid import BLOCK, BPC, CHUNK, HybridCase
 NO_TREE = rh.NO_TREE
 
 # Per stage, the layers of each KV-cache group (in the order of the kinds
-# the engine is built of): stage 0 holds no layer of the Mamba group.
+# the engine is built of): stage 0 holds no layer of the window group nor
+# of the Mamba group.
 L = "model.layers.{}.self_attn.attn"
-HYBRID_STAGES = (([L.format(0)], [L.format(1)], []), ([L.format(2)], [L.format(3)], list(rh.MAMBA)))
+HYBRID_STAGES = (([L.format(0)], [], []), ([L.format(2)], [L.format(1), L.format(3)], list(rh.MAMBA)))
 # One group (full attention or MLA): a layer on stage 0, three on stage 1.
 FULL_STAGES = (([L.format(0)],), ([L.format(i) for i in (1, 2, 3)],))
 
@@ -108,13 +109,13 @@ class PipelineStagesTest(StagesCase):
         src = [list(range(1, 1 + nblk)), list(range(20, 20 + nblk)), list(range(40, 40 + nblk))]
         before = self.namespaces()
         self.save_prompt(sched, self.pairs(workers), self.request("a", "pp-hybrid", nblk), src)
-        # Stage 0: full attention and window, 4 keys each; stage 1 those and
-        # a state per chunk boundary; five namespaces, none shared.
+        # Stage 0: full attention's 4 keys; stage 1 those, the window's and
+        # a state per chunk boundary; four namespaces, none shared.
         got = self.stored_since(before)
-        self.assertEqual(sorted(k for _, k, _ in got), [4] * 5, got)
+        self.assertEqual(sorted(k for _, k, _ in got), [4] * 4, got)
         (_, w0, kv0), (_, w1, kv1) = workers
-        self.assertEqual({m for m, _, _ in got}, {self.model_of(w0, 0), self.model_of(w0, 1), self.model_of(w1, 0),
-                                                  self.model_of(w1, 1), self.model_of(w1, 2)})
+        self.assertEqual({m for m, _, _ in got}, {self.model_of(w0, 0), self.model_of(w1, 0), self.model_of(w1, 1),
+                                                  self.model_of(w1, 2)})
         claimed = 4 * BPC
         full, window, mamba = range(3)
 
