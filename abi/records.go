@@ -162,6 +162,10 @@ const (
 	MountDirect    uint32 = 1 << 0 // files are written with O_DIRECT
 	MountChecksums uint32 = 1 << 1 // payload checksums are written and checked
 	MountVLLMFS    uint32 = 1 << 2 // a vllm-fs mount: not a target of kvhost_name, admission or moves
+	// MountObject: the object mount (an S3 bucket), described last: a
+	// target of admission and of demotion at eviction only, never of
+	// kvhost_name or a tick's move (docs/abi.md, "Tiering").
+	MountObject uint32 = 1 << 3
 )
 
 // MountRecord describes one mount (kvhost_mounts, FeatureMounts). Sizes are

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -146,6 +147,9 @@ type tiering struct {
 	driver *tierDriver  // nil before start and without policy.Tiering
 	hits   *hitRecorder // flushed before each tick; nil before start
 	st     tierCounters
+	// objs is the object mount, described last to the policy: a target
+	// of admission and of demotion (demoteToObjects). Set once at Open.
+	objs *objectTier
 }
 
 // moveRoom is what a move asks of the room on the mounts (capacity.go).
@@ -332,6 +336,11 @@ func (t *tiering) mountRecords(descs []mountDesc) []abi.MountRecord {
 		copy(r.FSName[:], descs[i].fsName)
 		copy(r.Backend[:], m.backend)
 	}
+	if t.objs != nil {
+		if r, ok := t.objs.description(); ok {
+			recs = append(recs, r)
+		}
+	}
 	return recs
 }
 
@@ -458,6 +467,9 @@ func (t *tiering) roomAfter(m *mount, size int64) bool {
 // order, so nested evictions never deadlock.
 func (t *tiering) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) (int64, bool) {
 	target := int(v.Target.Mount)
+	if t.toObjects(target) {
+		return 0, t.demoteToObjects(ctx, v)
+	}
 	n, err := t.move(ctx, v.Entry, target, target > m.idx)
 	switch {
 	case err == nil:
@@ -482,6 +494,37 @@ func (t *tiering) demoteVictim(ctx context.Context, m *mount, v policy.Eviction)
 	t.st.moveFailures.Add(1)
 	t.log.Debug("engine: demotion failed; the victim stays", "entry", v.Entry, "mount", target, "err", err)
 	return 0, false
+}
+
+// toObjects reports whether mount index target is the object mount's.
+func (t *tiering) toObjects(target int) bool {
+	return t.objs != nil && t.objs.objs != nil && target == t.objs.index()
+}
+
+// demoteToObjects copies victim v's file to the object mount now, where
+// it does not hold the key yet, and reports whether the caller should
+// evict the file: the key stays stored there, and the removal feed
+// records it moved (remover.published). Where the copy fails the victim
+// stays, unless the store had no room and v says MoveDeleteIfFull.
+func (t *tiering) demoteToObjects(ctx context.Context, v policy.Eviction) bool {
+	path, fp, keys, ok := t.ix.Files().FileOf(v.Entry)
+	if !ok {
+		return false // gone meanwhile: stale
+	}
+	err := t.objs.copy(ctx, fp, keys, path)
+	switch {
+	case err == nil:
+		t.st.demotions.Add(1)
+		return true
+	case ctx.Err() != nil:
+		return false // the caller gave up (demoteVictim)
+	case errors.Is(err, syscall.ENOSPC) && v.Target.Flags&abi.MoveDeleteIfFull != 0:
+		t.st.demotionDeletes.Add(1)
+		return true
+	}
+	t.st.moveFailures.Add(1)
+	t.log.Debug("engine: demotion to the object mount failed; the victim stays", "entry", v.Entry, "path", path, "err", err)
+	return false
 }
 
 // move moves entry id's file to mount target (the same relative path under
@@ -774,6 +817,11 @@ func (t *tiering) dedupe(found []*entry) []*entry {
 func (t *tiering) retarget(ns *namespace, gr *group, target uint32) error {
 	if ns.layout != nil || int(target) == gr.mount {
 		return nil // a vllm-fs namespace's files are its mount's
+	}
+	if t.toObjects(int(target)) {
+		// Written on its name's mount, whence it is copied (published).
+		gr.toObjects = true
+		return nil
 	}
 	if int(target) >= t.kvMounts {
 		return fmt.Errorf("%w: admission chose mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, t.kvMounts-1)

@@ -281,6 +281,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.objs = objectTier{objs: cfg.Objects, find: e.find, rm: e.rm, st: &e.st, io: &e.busy.io, log: cfg.Logger, mounts: e.mounts}
 	e.objs.watch()
 	e.rm.objs = &e.objs
+	e.tier.objs, e.objs.lazy = &e.objs, e.tier.demotes
 	e.own.openOwners(e.mounts, e.watch.spareEligible) // before the walk, which keeps live owners' spares
 	// The cluster locks before the walk too: an adopter of this node's
 	// files then lets go of them (openCluster).

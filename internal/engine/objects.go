@@ -12,6 +12,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/engine/removals"
@@ -39,8 +40,8 @@ type Objects interface {
 	// store lacks fails with an error matching fs.ErrNotExist.
 	Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error)
 	// Published tells the store of the file at path that the engine has
-	// just published, holding key alone, of namespace fp. It must not
-	// block on the store.
+	// just published, holding key alone, of namespace fp, to copy in the
+	// background. It must not block on the store.
 	Published(fp uint64, key []byte, path string)
 	// Bad tells the store that its object of key failed the load's
 	// checks (err says how): it forgets, and may remove, the object.
@@ -48,6 +49,14 @@ type Objects interface {
 	// Delete forgets key's object at once and removes it from the store
 	// (a client deleted the key). It must not block on the store.
 	Delete(fp uint64, key []byte)
+	// Upload copies the file at path, holding key alone with payload
+	// checksums, of namespace fp, to key's object now (a demotion to the
+	// object mount); an error matching syscall.ENOSPC says the store has
+	// no room. ctx bounds it.
+	Upload(ctx context.Context, fp uint64, key []byte, path string) error
+	// Usage returns the bytes and the number of the objects the store
+	// knows of, and its bound (0: none), for the policy's description.
+	Usage() (used, capacity int64, objects int)
 	// Purge removes every object of the namespace of fingerprint fp and
 	// returns the keys it removed; an error says what it could not
 	// remove. ctx bounds it.
@@ -78,9 +87,14 @@ type objectTier struct {
 	mounts []*mount                               // the engine's: the first one's movers move what the CPU cannot address
 	rm     *remover                               // its feed records the objects' removals
 	bounce bouncePool                             // the memory files of loads into memory the CPU cannot address
-	st     *counters
-	io     *fsys.InFlight
-	log    *slog.Logger
+	// lazy reports whether the policy decides what the object mount
+	// takes (it demotes: tiering.demotes): then a published file is
+	// copied only where admission sent it there, else every one is. Set
+	// once at Open; nil: never.
+	lazy func() bool
+	st   *counters
+	io   *fsys.InFlight
+	log  *slog.Logger
 }
 
 // objectClass is the device class the removal feed names the object
@@ -154,11 +168,42 @@ func (o *objectTier) has(ns *namespace, key []byte) bool {
 	return o.objs != nil && ns.layout == nil && o.objs.Has(ns.fp, key)
 }
 
-// published tells the object mount of a file a store published.
-func (o *objectTier) published(h *format.Header, path string) {
-	if o.objs != nil && len(h.Keys) == 1 && !h.Raw {
+// published tells the object mount of a file a store published, to copy
+// in the background: every one, or with a policy that decides (lazy)
+// those admission sent to the object mount (admitted).
+func (o *objectTier) published(h *format.Header, path string, admitted bool) {
+	if o.objs != nil && len(h.Keys) == 1 && !h.Raw && (admitted || o.lazy == nil || !o.lazy()) {
 		o.objs.Published(h.Fingerprint, h.Keys[0].Key, path)
 	}
+}
+
+// description describes the object mount to the policy: the last mount, at
+// index, with MOUNT_OBJECT. ok is false without an object mount.
+func (o *objectTier) description() (r abi.MountRecord, ok bool) {
+	if o.objs == nil {
+		return r, false
+	}
+	used, capacity, n := o.objs.Usage()
+	r.Mount, r.Flags, r.Class = uint32(o.index()), abi.MountObject|abi.MountChecksums, abi.ClassNetwork
+	r.Capacity, r.Used, r.Entries = uint64(max(capacity, 0)), uint64(max(used, 0)), uint64(n)
+	r.Free = uint64(max(capacity-used, 0))
+	r.High, r.Low = r.Capacity, uint64(float64(r.Capacity)*0.9)
+	copy(r.FSName[:], "s3")
+	copy(r.Backend[:], "s3")
+	return r, true
+}
+
+// copy copies the file at path, of keys of namespace fp, to the object
+// mount now, unless it holds the key already (a demotion there). A file
+// of several keys is not copied (ErrUnsupported).
+func (o *objectTier) copy(ctx context.Context, fp uint64, keys []string, path string) error {
+	if len(keys) != 1 {
+		return fmt.Errorf("%w: the object mount takes files of one key, %s holds %d", ErrPolicy, path, len(keys))
+	}
+	if o.objs.Has(fp, []byte(keys[0])) {
+		return nil
+	}
+	return o.objs.Upload(ctx, fp, []byte(keys[0]), path)
 }
 
 // only returns the keys (of the set keys) of ns that the object mount

@@ -14,6 +14,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
@@ -30,6 +31,10 @@ type memObjects struct {
 	objs   map[string][]byte
 	bad    []string
 	onGone []func(fp uint64, key []byte, evicted bool) // each engine's
+	full   bool                                        // Upload fails with ENOSPC
+	// published and uploads count the files Published was told of and
+	// those Upload copied.
+	published, uploads int
 }
 
 func objName(fp uint64, key []byte) string { return fmt.Sprintf("%016x/%x", fp, key) }
@@ -53,6 +58,7 @@ func (o *memObjects) Published(fp uint64, key []byte, path string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.objs[objName(fp, key)] = b
+	o.published++
 }
 
 func (o *memObjects) Bad(fp uint64, key []byte, _ error) {
@@ -85,6 +91,30 @@ func (o *memObjects) Purge(_ context.Context, fp uint64) ([][]byte, error) {
 		}
 	}
 	return keys, nil
+}
+
+func (o *memObjects) Upload(_ context.Context, fp uint64, key []byte, path string) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.full {
+		return fmt.Errorf("memObjects: %w", syscall.ENOSPC)
+	}
+	o.objs[objName(fp, key)] = b
+	o.uploads++
+	return nil
+}
+
+func (o *memObjects) Usage() (used, capacity int64, objects int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, b := range o.objs {
+		used += int64(len(b))
+	}
+	return used, 0, len(o.objs)
 }
 
 func (o *memObjects) OnGone(fn func(fp uint64, key []byte, evicted bool)) {

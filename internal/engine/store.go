@@ -60,6 +60,10 @@ type group struct {
 	old *entry
 	// released: the store released path when it indexed its file.
 	released bool
+	// toObjects: admission sent the file to the object mount; it is
+	// written at path and copied there once published (demote.go,
+	// retarget).
+	toObjects bool
 }
 
 // reserveFile reserves size bytes on m for a store's file of namespace ns
@@ -534,6 +538,6 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	e.st.stores.Add(uint64(len(h.Keys)))
 	e.st.written.Add(uint64(h.PayloadLen()))
 	j.bytes.Add(h.PayloadLen())
-	e.objs.published(h, gr.path)
+	e.objs.published(h, gr.path, gr.toObjects)
 	return true, nil
 }

@@ -4,11 +4,11 @@ import (
 	"cmp"
 	"context"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
@@ -28,8 +28,25 @@ import (
 // ErrFull is wrapped by the error of an upload refused for room: its
 // object would not fit within Config.Capacity, even after evictions, or
 // the store refused it (its quota: QuotaExceeded). Nothing stored is
-// lost: the key's file stays on its mount, every other object stays.
-var ErrFull = errors.New("objstore: the bucket is full")
+// lost: the key's file stays on its mount, every other object stays. It
+// matches syscall.ENOSPC, as engine.Objects asks.
+var ErrFull error = errFull{}
+
+// errFull is ErrFull's type.
+type errFull struct{}
+
+func (errFull) Error() string { return "objstore: the bucket is full" }
+
+// Is makes ErrFull match syscall.ENOSPC.
+func (errFull) Is(target error) bool { return target == syscall.ENOSPC }
+
+// Usage returns the bytes and the number of the objects the store knows
+// of under the prefix, and Config.Capacity (engine.Objects).
+func (s *Store) Usage() (used, capacity int64, objects int) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.used, s.cfg.Capacity, len(s.present)
+}
 
 // evictTo is the share of Capacity an eviction leaves the objects
 // and the uploads under way at, so that not every upload evicts.

@@ -10,9 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/objstore"
 	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/plugins/tiered"
 )
 
 // objectLen is the bytes of one key's object: a one-key file of
@@ -222,4 +225,42 @@ func TestAQuotaBelowTheBoundEvictsAndTriesAgain(t *testing.T) {
 	if got := present(t, a, keys); !slices.Equal(got, []bool{false, true, true}) {
 		t.Fatalf("in the bucket: %v, want the two newest", got)
 	}
+}
+
+// TestTieredDemotesToTheBucketAndAnotherNodeLoadsWhatItDemoted: the
+// built-in tiered policy over one file mount, of room for three keys,
+// sees the object mount as its cold mount (mount 1): no file is copied
+// when published; the keys evicted from the file mount are uploaded at
+// their demotion and stay hits there, and another node loads them with
+// their bytes.
+func TestTieredDemotesToTheBucketAndAnotherNodeLoadsWhatItDemoted(t *testing.T) {
+	cfg := rgwConfig(t)
+	mount := engine.Mount{Path: filepath.Join(t.TempDir(), "a"), Capacity: 3 * objectLen()}
+	a := openNodeWith(t, mount, cfg, func() guest.Policy { return tiered.New() })
+	fill(newRand(6), a.mem)
+	keys := make([][]byte, 6)
+	var want [][]byte
+	for i := range keys {
+		keys[i] = fmt.Appendf(nil, "tiered-%d", i)
+		src := a.blocks(1, i*a.geo.BlocksPerKey())
+		a.put(t, keys[i:i+1], src)
+		want = append(want, a.data(src[0]))
+	}
+	var demoted, wantDemoted [][]byte
+	for i, k := range keys {
+		if a.store.Has(a.geo.Fingerprint(), k) {
+			demoted = append(demoted, k)
+			wantDemoted = append(wantDemoted, want[i])
+		}
+	}
+	st, ts := a.store.Stats(), a.eng.TierStats()
+	if len(demoted) == 0 || st.Uploaded != 0 || ts.Demotions != uint64(len(demoted)) {
+		t.Fatalf("%d keys in the bucket, %d uploaded in the background, %d demotions; want the demoted alone, none copied when published", len(demoted), st.Uploaded, ts.Demotions)
+	}
+	if n, err := a.eng.Lookup(context.Background(), a.ns, keys); err != nil || n != len(keys) {
+		t.Fatalf("%d of %d keys hits on the demoting node (%v)", n, len(keys), err)
+	}
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	loadAndCompare(t, b, demoted, wantDemoted)
+	t.Logf("tiered over one mount of 3 keys and the bucket: %d of %d keys demoted to the bucket, 0 copied when published; another node loads them", len(demoted), len(keys))
 }

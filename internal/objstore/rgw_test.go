@@ -74,6 +74,13 @@ const numBlocks = 256
 
 func openNode(t testing.TB, dir string, cfg objstore.Config) *node {
 	t.Helper()
+	return openNodeWith(t, engine.Mount{Path: dir}, cfg, func() guest.Policy { return lru.New() })
+}
+
+// openNodeWith is openNode on mount with the policy newPolicy makes.
+func openNodeWith(t testing.TB, mount engine.Mount, cfg objstore.Config, newPolicy func() guest.Policy) *node {
+	t.Helper()
+	dir := mount.Path
 	ctx := context.Background()
 	st, err := objstore.Open(ctx, cfg)
 	if err != nil {
@@ -82,9 +89,9 @@ func openNode(t testing.TB, dir string, cfg objstore.Config) *node {
 	t.Cleanup(func() { st.Close() })
 	eng, err := engine.Open(ctx, engine.Config{
 		Host:   hostpath.Staging,
-		Mounts: []engine.Mount{{Path: dir}},
+		Mounts: []engine.Mount{mount},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
-			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})
+			return policy.NewNative(newPolicy, idx, policy.Config{Shards: 1})
 		},
 		Objects:   st,
 		IOWorkers: 4,

@@ -109,6 +109,7 @@ extern "C" {
 #define KVHOST_MOUNT_DIRECT (1u << 0)    /* O_DIRECT */
 #define KVHOST_MOUNT_CHECKSUMS (1u << 1) /* payload checksums */
 #define KVHOST_MOUNT_VLLMFS (1u << 2)    /* a vllm-fs mount: never a target */
+#define KVHOST_MOUNT_OBJECT (1u << 3)    /* the object mount: admission and demotion targets only */
 
 /* kvhost_victim_target.flags */
 #define KVHOST_MOVE_DELETE_IF_FULL (1u << 0) /* delete if the target has no room */

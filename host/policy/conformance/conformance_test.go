@@ -75,7 +75,7 @@ func TestHostileFixturesFail(t *testing.T) {
 		{"multikey", "names", "(4 keys per file) would be the first keys of two files"},
 		// Tiering: each defect fails the tiering check with the host's message.
 		{"badmove", "tick moves", "was never reported to this shard"},
-		{"baddemote", "demotion targets", "target mount 77, but only 6 mounts exist"},
+		{"baddemote", "demotion targets", "target mount 77, but only 7 mounts exist"},
 		// Issue 37: a plugin that ignores REMOVE records.
 		{"noremove", "removed entries", "it ignores REMOVE records"},
 		// Issue 37: the same path on two mounts, a tick that ignores its

@@ -108,7 +108,7 @@ type mounts struct{ recs []abi.MountRecord }
 
 func (m *mounts) keep(recs []abi.MountRecord) { m.recs = append(m.recs[:0], recs...) }
 
-// demoteVLLMFS demotes to the last described mount, a vllm-fs mount.
+// demoteVLLMFS demotes to the last described vllm-fs mount.
 type demoteVLLMFS struct {
 	*tiered.Policy
 	m *mounts
@@ -121,9 +121,15 @@ func (p demoteVLLMFS) Mounts(recs []abi.MountRecord) error {
 
 func (p demoteVLLMFS) EvictTo(req *abi.EvictRequest, out []abi.Victim, targets []abi.VictimTarget) (int, error) {
 	n, err := p.Policy.EvictTo(req, out, targets)
+	last := uint32(0)
+	for _, r := range p.m.recs {
+		if r.Flags&abi.MountVLLMFS != 0 {
+			last = r.Mount
+		}
+	}
 	for i := range n {
 		if targets[i].Mount != abi.NoMount {
-			targets[i].Mount = uint32(len(p.m.recs) - 1)
+			targets[i].Mount = last
 		}
 	}
 	return n, err
@@ -193,23 +199,39 @@ func (p admitEarly) Admit(recs []abi.AdmitRecord) error {
 	return err
 }
 
-// tickMissingMount moves to the mount past the last described.
-type tickMissingMount struct {
+// tickTo moves every entry its tick moves to the mount to picks from the
+// last description instead.
+type tickTo struct {
 	*tiered.Policy
-	m *mounts
+	m  *mounts
+	to func(recs []abi.MountRecord) uint32
 }
 
-func (p tickMissingMount) Mounts(recs []abi.MountRecord) error {
+func (p tickTo) Mounts(recs []abi.MountRecord) error {
 	p.m.keep(recs)
 	return p.Policy.Mounts(recs)
 }
 
-func (p tickMissingMount) Tick(req *abi.TickRequest, out []abi.Move) (int, error) {
+func (p tickTo) Tick(req *abi.TickRequest, out []abi.Move) (int, error) {
 	n, err := p.Policy.Tick(req, out)
 	for i := range n {
-		out[i].Mount = uint32(len(p.m.recs))
+		out[i].Mount = p.to(p.m.recs)
 	}
 	return n, err
+}
+
+// pastLast is the mount past the last described.
+func pastLast(recs []abi.MountRecord) uint32 { return uint32(len(recs)) }
+
+// objectMount is the object mount (MOUNT_OBJECT), which takes no tick's
+// move.
+func objectMount(recs []abi.MountRecord) uint32 {
+	for _, r := range recs {
+		if r.Flags&abi.MountObject != 0 {
+			return r.Mount
+		}
+	}
+	return 0
 }
 
 // tickPins promotes hit entries whether pinned or not.
@@ -277,8 +299,10 @@ func TestOneDefectPoliciesFailTheirRule(t *testing.T) {
 			check: "repeated moves", message: "asks again to move entry"},
 		{name: "an admission target before the mounts are described", policy: func() guest.Policy { return admitEarly{tiered.New(), &mounts{}} },
 			check: "before mount descriptions", message: "admit to another mount only once the host has described the mounts"},
-		{name: "a tick to a missing mount", policy: func() guest.Policy { return tickMissingMount{tiered.New(), &mounts{}} },
-			check: "tick moves", message: "target mount 6, but only 6 mounts exist"},
+		{name: "a tick to a missing mount", policy: func() guest.Policy { return tickTo{tiered.New(), &mounts{}, pastLast} },
+			check: "tick moves", message: "target mount 7, but only 7 mounts exist"},
+		{name: "a tick to the object mount", policy: func() guest.Policy { return tickTo{tiered.New(), &mounts{}, objectMount} },
+			check: "tick moves", message: "the object mount (MOUNT_OBJECT)"},
 		{name: "a tick ignoring pins", policy: func() guest.Policy {
 			return tickPins{tiered.New(), map[uint64]int{}, map[uint64]uint32{}}
 		}, check: "tick moves", message: "is pinned"},

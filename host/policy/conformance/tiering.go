@@ -14,22 +14,25 @@ const tieringFeatures = abi.FeatureMounts | abi.FeatureAdmitMount | abi.FeatureD
 
 // kvhostMounts is the number of kvhost mounts the suite describes (the
 // mount count of its largest namespace); vllmfsMounts vllm-fs mounts
-// follow them, as the engine lists them.
+// follow them, and the object mount (MOUNT_OBJECT) comes last, as the
+// engine lists them.
 const (
 	kvhostMounts = 4
 	vllmfsMounts = 2
-	allMounts    = kvhostMounts + vllmfsMounts
+	objectMount  = kvhostMounts + vllmfsMounts
+	allMounts    = objectMount + 1
 )
 
 // mountFixtures describes the mounts of the tiering checks, fastest
 // first: a small NVMe, an SSD, a disk and a large shared file system
 // (the kvhost mounts, 0 to 3), then two vllm-fs mounts (4 and 5) that
-// take no names, admissions or moves: the last mount, and the one after
-// the last kvhost mount, are where a plugin that ignores MOUNT_VLLMFS
-// sends files.
+// take no names, admissions or moves: the one after the last kvhost
+// mount is where a plugin that ignores MOUNT_VLLMFS sends files; and last
+// the object mount (6), which takes admissions and demotions but no
+// tick's move.
 func mountFixtures(used uint64) []abi.MountRecord {
-	classes := []uint32{abi.ClassNVMe, abi.ClassSSD, abi.ClassHDD, abi.ClassNetwork, abi.ClassNetwork, abi.ClassNetwork}
-	names := []string{"xfs", "ext4", "ext4", "nfs", "ceph", "ceph"}
+	classes := []uint32{abi.ClassNVMe, abi.ClassSSD, abi.ClassHDD, abi.ClassNetwork, abi.ClassNetwork, abi.ClassNetwork, abi.ClassNetwork}
+	names := []string{"xfs", "ext4", "ext4", "nfs", "ceph", "ceph", "s3"}
 	recs := make([]abi.MountRecord, allMounts)
 	for i := range recs {
 		c := uint64(1<<30) << (2 * min(i, kvhostMounts))
@@ -38,7 +41,10 @@ func mountFixtures(used uint64) []abi.MountRecord {
 		r.Free, r.High, r.Low = c-r.Used, c/100*95, c/100*85
 		copy(r.FSName[:], names[i])
 		copy(r.Backend[:], "staging")
-		if i >= kvhostMounts {
+		switch {
+		case i == objectMount:
+			r.Flags |= abi.MountObject
+		case i >= kvhostMounts:
 			r.Flags |= abi.MountVLLMFS
 		}
 	}
@@ -46,7 +52,7 @@ func mountFixtures(used uint64) []abi.MountRecord {
 }
 
 // isVLLMFS reports whether mount m of mountFixtures is a vllm-fs mount.
-func isVLLMFS(m uint32) bool { return m >= kvhostMounts && m < allMounts }
+func isVLLMFS(m uint32) bool { return m >= kvhostMounts && m < objectMount }
 
 // describe sends the mount fixtures to h (twice, usage changing).
 func (s *suite) describe(h *policy.Host) error {
@@ -65,7 +71,7 @@ func (s *suite) mountDescriptions() (string, error) {
 	if err := s.describe(s.host); err != nil {
 		return "", err
 	}
-	return fmt.Sprintf("%d kvhost and %d vllm-fs mounts described, twice", kvhostMounts, vllmfsMounts), nil
+	return fmt.Sprintf("%d kvhost, %d vllm-fs and an object mount described, twice", kvhostMounts, vllmfsMounts), nil
 }
 
 // admitTargets names and admits 32 keys per namespace on h and returns
@@ -112,7 +118,7 @@ func (s *suite) admissionTargets() (string, error) {
 			moved++
 		}
 	}
-	return fmt.Sprintf("%d files admitted, %d sent to another mount, none to a vllm-fs mount", len(recs), moved), nil
+	return fmt.Sprintf("%d files admitted, %d sent to another mount (the object mount among them), none to a vllm-fs mount", len(recs), moved), nil
 }
 
 // setUp prepares a tiering check of feature f on the suite's host: it
@@ -226,6 +232,8 @@ func (s *suite) checkMoves(mv []abi.Move, what string) error {
 			return fmt.Errorf("%s, move %d: entry %d on mount %d to mount %d (%d described)", what, i, m.Entry, e.Mount, m.Mount, allMounts)
 		case isVLLMFS(m.Mount):
 			return fmt.Errorf("%s, move %d: entry %d to mount %d, a vllm-fs mount (MOUNT_VLLMFS): the engine moves no file there", what, i, m.Entry, m.Mount)
+		case m.Mount == objectMount:
+			return fmt.Errorf("%s, move %d: entry %d to mount %d, the object mount (MOUNT_OBJECT): it takes demotions at eviction, not a tick's moves", what, i, m.Entry, m.Mount)
 		case m.Flags != 0:
 			return fmt.Errorf("%s, move %d: flags %#x, want 0", what, i, m.Flags)
 		}

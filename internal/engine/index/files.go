@@ -221,6 +221,18 @@ func (f *Files) Size() (files, keys int) {
 	return len(f.entries), len(f.byKey)
 }
 
+// FileOf returns the path, namespace fingerprint and keys of entry id's
+// file, and whether the index holds it.
+func (f *Files) FileOf(id uint64) (path string, fp uint64, keys []string, ok bool) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	en, ok := f.entries[id]
+	if !ok {
+		return "", 0, nil, false
+	}
+	return en.Path, en.FP, en.Keys, true
+}
+
 // PolicyEntry returns the policy's view of entry id.
 func (f *Files) PolicyEntry(id uint64) (policy.Entry, bool) {
 	f.mu.RLock()
