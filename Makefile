@@ -119,6 +119,7 @@ vet: wasm
 lint: tools vet
 	$(GOBIN)/staticcheck ./...
 	$(GOBIN)/staticcheck -tags invariants ./...
+	scripts/check-subjects.sh
 
 # Bounded fuzzing of the decoders that face untrusted input: PKG:FuzzFunc.
 FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./internal/format:FuzzDecodeHeader ./internal/format:FuzzDecodeSealedHeader ./protocol:FuzzDecode ./internal/server:FuzzSession ./host/policy:FuzzOutputValidation ./host/policy/internal/meter:FuzzInstrument
