@@ -91,7 +91,8 @@ type Objects struct {
 	ListInterval Duration `toml:"list_interval"`
 	// Capacity bounds the bytes of the objects under the prefix, every
 	// node's (0: no bound): an upload past it evicts the least recently
-	// used objects first. The nodes sharing the prefix should agree.
+	// used objects first. The first node with one writes it to the bucket;
+	// a node without one takes it, a node with another does not start.
 	Capacity Size `toml:"capacity"`
 }
 

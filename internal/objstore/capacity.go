@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/hex"
 	"fmt"
+	"io"
 	"slices"
 	"strconv"
 	"strings"
@@ -24,6 +25,76 @@ import (
 // deleteBatch names, and tells the engine of each (OnGone). A store's
 // quota that refuses an upload (QuotaExceeded) is a full bucket too: with
 // a bound the upload evicts its size's worth more and tries once again.
+
+// boundName is the name, after Prefix, of the object that holds the bound
+// the nodes sharing the prefix agreed on (agreeBound): no key's object
+// has it (ours).
+const boundName = "kvhost-capacity"
+
+// maxBound is the largest bound the bound's object may hold: 1 EiB.
+const maxBound = 1 << 60
+
+// agreeBound makes the bound one for every node of the prefix: the first
+// node with Capacity writes it to the bound's object (a PUT if none is
+// there), every later one reads it. A node without Capacity takes the
+// agreed bound; one with another fails, naming both. An object that does
+// not hold a bound (other bytes, a size out of range) fails Open, naming
+// it: nothing stored is touched.
+func (s *Store) agreeBound(ctx context.Context) error {
+	name := s.cfg.Prefix + boundName
+	agreed, found, err := s.readBound(ctx, name)
+	if err != nil {
+		return err
+	}
+	if !found && s.cfg.Capacity > 0 {
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		body := strconv.FormatInt(s.cfg.Capacity, 10) + "\n"
+		_, err := s.client.PutObject(rctx, &s3.PutObjectInput{Bucket: &s.cfg.Bucket, Key: &name, Body: strings.NewReader(body), ContentLength: aws.Int64(int64(len(body))), IfNoneMatch: aws.String("*")})
+		cancel()
+		if err != nil && httpStatus(err) != 412 { // 412: another node wrote it first
+			return fmt.Errorf("objstore: bucket %s: writing the bound's object %s: %w", s.cfg.Bucket, name, describe(err))
+		}
+		// Read back: where the store ignores If-None-Match, the last
+		// writer's bound is the one.
+		if agreed, found, err = s.readBound(ctx, name); err != nil {
+			return err
+		}
+	}
+	switch {
+	case !found:
+		return nil // no bound
+	case s.cfg.Capacity == 0:
+		s.cfg.Capacity = agreed
+		s.cfg.Logger.Info("objstore: the bound the nodes agreed on", "object", name, "capacity", agreed)
+	case s.cfg.Capacity != agreed:
+		return fmt.Errorf("%w: capacity %d, but the nodes sharing bucket %s, prefix %q, agreed on %d (object %s): give every node the same, or remove the object to agree on another", ErrConfig, s.cfg.Capacity, s.cfg.Bucket, s.cfg.Prefix, agreed, name)
+	}
+	return nil
+}
+
+// readBound reads the bound's object name: the bound, and whether there
+// is one.
+func (s *Store) readBound(ctx context.Context, name string) (int64, bool, error) {
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	out, err := s.client.GetObject(rctx, &s3.GetObjectInput{Bucket: &s.cfg.Bucket, Key: &name})
+	if err != nil {
+		if isNotFound(err) {
+			return 0, false, nil
+		}
+		return 0, false, fmt.Errorf("objstore: bucket %s: reading the bound's object %s: %w", s.cfg.Bucket, name, describe(err))
+	}
+	defer out.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(out.Body, 64))
+	if err != nil {
+		return 0, false, fmt.Errorf("objstore: bucket %s: reading the bound's object %s: %w", s.cfg.Bucket, name, err)
+	}
+	v, err := strconv.ParseInt(strings.TrimSuffix(string(b), "\n"), 10, 64)
+	if err != nil || v < 1 || v > maxBound || aws.ToInt64(out.ContentLength) > 32 {
+		return 0, false, fmt.Errorf("%w: the bound's object %s in bucket %s holds %q, not a size in bytes from 1 to 2^60 and a newline: remove it, or write the bound there", ErrConfig, name, s.cfg.Bucket, b)
+	}
+	return v, true, nil
+}
 
 // ErrFull is wrapped by the error of an upload refused for room: its
 // object would not fit within Config.Capacity, even after evictions, or

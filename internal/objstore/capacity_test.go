@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -263,4 +265,61 @@ func TestTieredDemotesToTheBucketAndAnotherNodeLoadsWhatItDemoted(t *testing.T) 
 	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
 	loadAndCompare(t, b, demoted, wantDemoted)
 	t.Logf("tiered over one mount of 3 keys and the bucket: %d of %d keys demoted to the bucket, 0 copied when published; another node loads them", len(demoted), len(keys))
+}
+
+// TestTheNodesOfAPrefixAgreeOnOneBound: the first node with a bound writes
+// it to the bucket; a node without one takes it; a node with another
+// fails to open, naming both, and what the bucket holds is untouched.
+func TestTheNodesOfAPrefixAgreeOnOneBound(t *testing.T) {
+	cfg := rgwConfig(t)
+	bounded := cfg
+	bounded.Capacity = 3 * objectLen()
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), bounded)
+	keys, _ := storeKeys(t, a, "agreed", 1)
+	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	if _, capacity, _ := b.store.Usage(); capacity != bounded.Capacity {
+		t.Fatalf("a node without a bound has %d, want the agreed %d", capacity, bounded.Capacity)
+	}
+	other := cfg
+	other.Capacity = 5 * objectLen()
+	_, err := objstore.Open(context.Background(), other)
+	if !errors.Is(err, objstore.ErrConfig) || !strings.Contains(err.Error(), strconv.FormatInt(bounded.Capacity, 10)) || !strings.Contains(err.Error(), strconv.FormatInt(other.Capacity, 10)) {
+		t.Fatalf("a node with another bound: %v, want ErrConfig naming both bounds", err)
+	}
+	if got := present(t, a, keys); !got[0] {
+		t.Fatal("a refused node's open removed an object")
+	}
+}
+
+// TestABoundObjectThatHoldsNoBoundIsRefused: a bound's object whose
+// bytes are not a size in range fails every open with ErrConfig naming
+// it, and removes nothing.
+func TestABoundObjectThatHoldsNoBoundIsRefused(t *testing.T) {
+	for _, tc := range []struct{ name, body string }{
+		{"words", "ten terabytes\n"},
+		{"negative", "-5\n"},
+		{"zero", "0\n"},
+		{"past 2^60", "1152921504606846977\n"},
+		{"long", strings.Repeat("9", 40) + "\n"},
+		{"empty", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := rgwConfig(t)
+			a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+			keys, _ := storeKeys(t, a, "hostile", 1)
+			if err := objstore.RawClient(a.store).Put(context.Background(), cfg.Prefix+"kvhost-capacity", []byte(tc.body)); err != nil {
+				t.Fatal(err)
+			}
+			for _, capacity := range []int64{0, 3 * objectLen()} {
+				c := cfg
+				c.Capacity = capacity
+				if _, err := objstore.Open(context.Background(), c); !errors.Is(err, objstore.ErrConfig) || !strings.Contains(err.Error(), "kvhost-capacity") {
+					t.Fatalf("open with capacity %d beside a bound's object of %q: %v, want ErrConfig naming the object", capacity, tc.body, err)
+				}
+			}
+			if got := present(t, a, keys); !got[0] {
+				t.Fatal("a refused open removed an object")
+			}
+		})
+	}
 }

@@ -90,7 +90,8 @@ type Config struct {
 	// Capacity bounds the bytes of the objects under Prefix, every
 	// node's (0: no bound). An upload that would pass it first evicts the
 	// least recently used objects, down to evictTo of it (capacity.go).
-	// The nodes sharing a prefix should agree on it.
+	// The first node with one writes it to the bucket; a node without one
+	// takes it, a node with another fails Open (agreeBound).
 	Capacity int64
 	// Logger receives the store's logs (default slog.Default()).
 	Logger *slog.Logger
@@ -246,6 +247,9 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	})
 	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: map[string]object{}, deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
 	if err := s.checkBucket(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.agreeBound(ctx); err != nil {
 		return nil, err
 	}
 	if err := s.list(ctx); err != nil {
