@@ -216,8 +216,9 @@ func (s *RemovalSubscription) Cursor() RemovalCursor {
 func (s *RemovalSubscription) Subscribed() RemovalCursor { return s.first }
 
 // Mounts are the device classes of the daemon's mounts ("memory", "nvme",
-// "ssd", "hdd", "network", "unknown") by the index a Removal's Mount and
-// To name: the medium a key left, or moved to.
+// "ssd", "hdd", "network", "unknown"; "object" for its object mount, last)
+// by the index a Removal's Mount and To name: the medium a key left, or
+// moved to.
 func (s *RemovalSubscription) Mounts() []string { return s.mounts }
 
 // Close ends the subscription: the daemon sends none of its batches after

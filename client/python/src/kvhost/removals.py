@@ -54,8 +54,9 @@ class RemovalSubscription:
         self._client, self.id, self._epoch = client, sub_id, epoch
         self.subscribed = (epoch, last)  # the daemon's epoch and last sequence number then
         # The device class of each of the daemon's mounts ("memory",
-        # "nvme", "ssd", "hdd", "network", "unknown"), by the index a
-        # Removal's mount and to name: the medium a key left or moved to.
+        # "nvme", "ssd", "hdd", "network", "unknown"; "object" for its
+        # object mount, last), by the index a Removal's mount and to name:
+        # the medium a key left or moved to.
         self.mounts = tuple(mounts)
         self._cursor = (epoch, last)
         self._cond = threading.Condition()
