@@ -1,6 +1,10 @@
 package protocol
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/kvhost/kvhost/outcome"
+)
 
 // Hello opens a connection: the client's magic, protocol version and name.
 type Hello struct {
@@ -1287,57 +1291,21 @@ func decodeNamespaces(d *decoder) *NamespaceList {
 }
 
 // Outcome is what happened to one key of a job, sent to the client in a
-// Completion (the daemon maps its engine's outcomes to these).
-type Outcome uint8
+// Completion: the vocabulary's (outcome.Outcome), which the engine
+// speaks too. The values are on the wire.
+type Outcome = outcome.Outcome
 
-// Outcomes of a key in a job. The values are on the wire.
+// Outcomes of a key in a job (outcome.Pending, ...: documented there).
 const (
-	// OutcomePending: the job has not finished the key (never in the
-	// result of a finished job).
-	OutcomePending Outcome = 0
-	// OutcomeStored: the key was written and published.
-	OutcomeStored Outcome = 1
-	// OutcomePresent: the key was already stored, by an earlier job or by
-	// another job writing its file, which this one waited for; nothing was
-	// written.
-	OutcomePresent Outcome = 2
-	// OutcomeNotAdmitted: the policy declined the key.
-	OutcomeNotAdmitted Outcome = 3
-	// OutcomeLoaded: the key was read into its blocks and verified.
-	OutcomeLoaded Outcome = 4
-	// OutcomeMissing: the key is not stored (or its file vanished or
-	// belongs to another geometry); its blocks were not written.
-	OutcomeMissing Outcome = 5
-	// OutcomeFailed: the key failed (the engine's KeyResult.Err, the
-	// Completion's Code, say why). A failed load may have written into its
-	// blocks: their content is undefined.
-	OutcomeFailed Outcome = 6
-	// OutcomeCancelled: the job was cancelled before the key was done.
-	OutcomeCancelled Outcome = 7
+	OutcomePending     = outcome.Pending     // not finished; never in a Completion
+	OutcomeStored      = outcome.Stored      // written and published
+	OutcomePresent     = outcome.Present     // already stored; nothing written
+	OutcomeNotAdmitted = outcome.NotAdmitted // the policy declined the key
+	OutcomeLoaded      = outcome.Loaded      // read into its blocks and verified
+	OutcomeMissing     = outcome.Missing     // not stored; its blocks not written
+	OutcomeFailed      = outcome.Failed      // failed (the Completion's Code says why)
+	OutcomeCancelled   = outcome.Cancelled   // the job was cancelled before the key was done
 )
-
-// String names the outcome.
-func (o Outcome) String() string {
-	switch o {
-	case OutcomePending:
-		return "pending"
-	case OutcomeStored:
-		return "stored"
-	case OutcomePresent:
-		return "present"
-	case OutcomeNotAdmitted:
-		return "not admitted"
-	case OutcomeLoaded:
-		return "loaded"
-	case OutcomeMissing:
-		return "missing"
-	case OutcomeFailed:
-		return "failed"
-	case OutcomeCancelled:
-		return "cancelled"
-	}
-	return fmt.Sprintf("outcome(%d)", uint8(o))
-}
 
 // KeyOutcome is the outcome of one key and, when it failed, an error code.
 type KeyOutcome struct {

@@ -1,6 +1,6 @@
 package protocol
 
-import "fmt"
+import "github.com/kvhost/kvhost/outcome"
 
 // Removal streams (protocol version 2, FeatureRemovals): a client
 // subscribes to the removals of its namespaces (SubscribeRemovals) and the
@@ -26,40 +26,21 @@ const FeatureRemovals Feature = 1 << 1
 // MaxRemovalBatch bounds the records of one Removals event.
 const MaxRemovalBatch = 4096
 
-// RemovalReason is why a key left the daemon (a Removal's reason).
-type RemovalReason uint8
+// RemovalReason is why a key left the daemon (a Removal's reason): the
+// vocabulary's (outcome.Reason), which the engine's removal records
+// speak too. The values are on the wire.
+type RemovalReason = outcome.Reason
 
-// Reasons of a removal.
+// Reasons of a removal (outcome.Evicted, ...: documented there).
 const (
-	RemovalEvicted        RemovalReason = 1 // evicted for room on its mount (or a demotion's victim deleted)
-	RemovalClusterEvicted RemovalReason = 2 // evicted to keep a cluster mount within its shared capacity
-	RemovalDeleted        RemovalReason = 3 // a client deleted it
-	RemovalPurged         RemovalReason = 4 // its namespace was purged
-	RemovalCorrupt        RemovalReason = 5 // its file failed its checks
-	RemovalVanished       RemovalReason = 6 // removed behind the daemon's back (another node on a shared mount)
-	RemovalMoved          RemovalReason = 7 // still stored, on another mount (Removal.To): a medium change
+	RemovalEvicted        = outcome.Evicted        // evicted for room on its mount (or a demotion's victim deleted)
+	RemovalClusterEvicted = outcome.ClusterEvicted // evicted to keep a cluster mount within its shared capacity
+	RemovalDeleted        = outcome.Deleted        // a client deleted it
+	RemovalPurged         = outcome.Purged         // its namespace was purged
+	RemovalCorrupt        = outcome.Corrupt        // its file failed its checks
+	RemovalVanished       = outcome.Vanished       // removed behind the daemon's back (another node on a shared mount)
+	RemovalMoved          = outcome.Moved          // still stored, on another mount (Removal.To): a medium change
 )
-
-// String names the reason.
-func (r RemovalReason) String() string {
-	switch r {
-	case RemovalEvicted:
-		return "evicted"
-	case RemovalClusterEvicted:
-		return "cluster-evicted"
-	case RemovalDeleted:
-		return "deleted"
-	case RemovalPurged:
-		return "purged"
-	case RemovalCorrupt:
-		return "corrupt"
-	case RemovalVanished:
-		return "vanished"
-	case RemovalMoved:
-		return "moved"
-	}
-	return fmt.Sprintf("reason(%d)", uint8(r))
-}
 
 // NoRemovalMount is Removal.To of a removal that is not a move.
 const NoRemovalMount = 0xFFFF

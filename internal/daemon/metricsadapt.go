@@ -99,34 +99,14 @@ type jobObserver struct{ m *metrics.Metrics }
 // ObserveJob implements engine.Observer.
 func (o jobObserver) ObserveJob(ev engine.JobEvent) {
 	out := metrics.JobEvent{Direction: ev.Direction, Memory: ev.Memory.String(), Path: ev.Path, Bytes: ev.Bytes, Duration: ev.Duration}
-	for eo, n := range ev.Outcomes {
-		if mo, ok := metricsOutcome(engine.Outcome(eo)); ok {
-			out.Outcomes[mo] += n
+	// One vocabulary (package outcome): the engine's outcomes are the
+	// metrics', counted at the same positions.
+	for o, n := range ev.Outcomes {
+		if o < len(out.Outcomes) {
+			out.Outcomes[o] += n
 		}
 	}
 	o.m.ObserveJob(out)
-}
-
-// metricsOutcome is the metrics' name of an engine outcome; false for
-// one the metrics do not count.
-func metricsOutcome(o engine.Outcome) (metrics.Outcome, bool) {
-	switch o {
-	case engine.OutcomePending:
-		return metrics.OutcomePending, true
-	case engine.OutcomeStored:
-		return metrics.OutcomeStored, true
-	case engine.OutcomePresent:
-		return metrics.OutcomePresent, true
-	case engine.OutcomeNotAdmitted:
-		return metrics.OutcomeNotAdmitted, true
-	case engine.OutcomeLoaded:
-		return metrics.OutcomeLoaded, true
-	case engine.OutcomeMissing:
-		return metrics.OutcomeMissing, true
-	case engine.OutcomeFailed:
-		return metrics.OutcomeFailed, true
-	}
-	return 0, false
 }
 
 // engineSnapshot copies what the metrics expose of the engine's stats.

@@ -130,22 +130,28 @@ func TestMetricsAdaptersCopyEachFigureToItsField(t *testing.T) {
 }
 
 // TestMetricsOutcomesAndRequestsKeepTheirLabels: each engine outcome a
-// job counts is the metrics' outcome of the same name (the label
-// kvhost_job_keys_total had when it read the engine's outcome: its name,
-// "not_admitted" for "not admitted"), each control request its
-// protocol name, and the namespaces with gauges of their own are as
-// many as a stats reply lists.
+// job counts is counted under its label (its name, "not_admitted" for
+// "not admitted"), each control request under its protocol name, and
+// the namespaces with gauges of their own are as many as a stats reply
+// lists.
 func TestMetricsOutcomesAndRequestsKeepTheirLabels(t *testing.T) {
+	m := metrics.New("test")
+	var ev engine.JobEvent
+	ev.Direction = "store"
 	for o := engine.OutcomePending; o <= engine.OutcomeFailed; o++ {
-		mo, ok := metricsOutcome(o)
-		if want := strings.ReplaceAll(o.String(), " ", "_"); !ok || mo.String() != want {
-			t.Errorf("engine outcome %v: metrics outcome %v %v, want %q", o, mo, ok, want)
+		ev.Outcomes[o] = int(o) + 1
+	}
+	JobObserver(m).ObserveJob(ev)
+	keys := gather(t, m)
+	for o := engine.OutcomeStored; o <= engine.OutcomeFailed; o++ {
+		label := strings.ReplaceAll(o.String(), " ", "_")
+		if got := metricstest.Value(keys, "kvhost_job_keys_total", map[string]string{"direction": "store", "outcome": label}); got != float64(o)+1 {
+			t.Errorf("kvhost_job_keys_total{outcome=%q}: %v, want %d", label, got, int(o)+1)
 		}
 	}
 	if metrics.MaxNamespaces != protocol.MaxStatsNamespaces {
 		t.Errorf("metrics.MaxNamespaces = %d, want protocol.MaxStatsNamespaces = %d", metrics.MaxNamespaces, protocol.MaxStatsNamespaces)
 	}
-	m := metrics.New("test")
 	observe := RequestObserver(m)
 	for _, typ := range []protocol.Type{protocol.TypeLookup, protocol.TypeLookup, protocol.TypeDelete} {
 		observe(typ, time.Millisecond)

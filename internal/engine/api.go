@@ -30,6 +30,7 @@ import (
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/outcome"
 	"github.com/kvhost/kvhost/region"
 )
 
@@ -464,56 +465,22 @@ func (r LayerRange) check(layers int) error {
 	return nil
 }
 
-// Outcome is what happened to one key of a job. It is the engine's own
-// vocabulary: the server maps it to the wire protocol's outcome and the
-// daemon to the metrics' labels. The engine never reports a cancelled
-// outcome: a key of a cancelled job fails with context.Canceled, which the
-// server reports as cancelled.
-type Outcome uint8
+// Outcome is what happened to one key of a job: the vocabulary's
+// (outcome.Outcome), which the wire protocol and the metrics speak too.
+// The engine never reports a cancelled outcome: a key of a cancelled job
+// fails with context.Canceled, which the server sends as cancelled.
+type Outcome = outcome.Outcome
 
-// Outcomes of a key in a job.
+// Outcomes of a key in a job (outcome.Pending, ...: documented there).
 const (
-	// OutcomePending: the job has not finished the key (never in the
-	// result of a finished job).
-	OutcomePending Outcome = iota
-	// OutcomeStored: the key was written and published.
-	OutcomeStored
-	// OutcomePresent: the key was already stored, by an earlier job or by
-	// another job writing its file, which this one waited for; nothing was
-	// written.
-	OutcomePresent
-	// OutcomeNotAdmitted: the policy declined the key.
-	OutcomeNotAdmitted
-	// OutcomeLoaded: the key was read into its blocks and verified.
-	OutcomeLoaded
-	// OutcomeMissing: the key is not stored (or its file vanished or
-	// belongs to another geometry); its blocks were not written.
-	OutcomeMissing
-	// OutcomeFailed: the key failed (KeyResult.Err says why). A failed
-	// load may have written into its blocks: their content is undefined.
-	OutcomeFailed
+	OutcomePending     = outcome.Pending     // not finished; never in a finished job's result
+	OutcomeStored      = outcome.Stored      // written and published
+	OutcomePresent     = outcome.Present     // already stored; nothing written
+	OutcomeNotAdmitted = outcome.NotAdmitted // the policy declined the key
+	OutcomeLoaded      = outcome.Loaded      // read into its blocks and verified
+	OutcomeMissing     = outcome.Missing     // not stored; its blocks not written
+	OutcomeFailed      = outcome.Failed      // failed (KeyResult.Err says why)
 )
-
-// String names the outcome.
-func (o Outcome) String() string {
-	switch o {
-	case OutcomePending:
-		return "pending"
-	case OutcomeStored:
-		return "stored"
-	case OutcomePresent:
-		return "present"
-	case OutcomeNotAdmitted:
-		return "not admitted"
-	case OutcomeLoaded:
-		return "loaded"
-	case OutcomeMissing:
-		return "missing"
-	case OutcomeFailed:
-		return "failed"
-	}
-	return fmt.Sprintf("outcome(%d)", uint8(o))
-}
 
 // KeyResult is the outcome of one key.
 type KeyResult struct {

@@ -150,7 +150,7 @@ func (m *Metrics) ObserveJob(ev JobEvent) {
 	m.jobDuration.WithLabelValues(ev.Direction, ev.Memory, ev.Path).Observe(ev.Duration.Seconds())
 	for o, n := range ev.Outcomes {
 		if n > 0 {
-			m.jobKeys.WithLabelValues(ev.Direction, Outcome(o).String()).Add(float64(n))
+			m.jobKeys.WithLabelValues(ev.Direction, Label(Outcome(o))).Add(float64(n))
 		}
 	}
 }

@@ -1,8 +1,10 @@
 package metrics
 
 import (
-	"strconv"
+	"strings"
 	"time"
+
+	"github.com/kvhost/kvhost/outcome"
 )
 
 // The snapshot types below are what the collector reads of the daemon's
@@ -213,43 +215,30 @@ type JobEvent struct {
 	Outcomes [NumOutcomes]int
 }
 
-// Outcome is what happened to one key of a job, the outcome label of
-// kvhost_job_keys_total.
-type Outcome uint8
+// Outcome is what happened to one key of a job: the vocabulary's
+// (outcome.Outcome), which the engine speaks too; its label of
+// kvhost_job_keys_total is Label's.
+type Outcome = outcome.Outcome
 
-// Outcomes of a key in a job.
+// Outcomes of a key in a job that the metrics count (the wire's
+// cancelled is no engine outcome).
 const (
-	OutcomePending     Outcome = iota // not finished (never in a finished job)
-	OutcomeStored                     // written and published
-	OutcomePresent                    // already stored
-	OutcomeNotAdmitted                // the policy declined the key
-	OutcomeLoaded                     // read into its blocks and verified
-	OutcomeMissing                    // not stored
-	OutcomeFailed                     // failed
-	// NumOutcomes is the number of outcomes, the length of
+	OutcomePending     = outcome.Pending     // not finished (never in a finished job)
+	OutcomeStored      = outcome.Stored      // written and published
+	OutcomePresent     = outcome.Present     // already stored
+	OutcomeNotAdmitted = outcome.NotAdmitted // the policy declined the key
+	OutcomeLoaded      = outcome.Loaded      // read into its blocks and verified
+	OutcomeMissing     = outcome.Missing     // not stored
+	OutcomeFailed      = outcome.Failed      // failed
+	// NumOutcomes is the number of outcomes counted, the length of
 	// JobEvent.Outcomes.
-	NumOutcomes = iota
+	NumOutcomes = int(OutcomeFailed) + 1
 )
 
-// String is the outcome's label value.
-func (o Outcome) String() string {
-	switch o {
-	case OutcomePending:
-		return "pending"
-	case OutcomeStored:
-		return "stored"
-	case OutcomePresent:
-		return "present"
-	case OutcomeNotAdmitted:
-		return "not_admitted"
-	case OutcomeLoaded:
-		return "loaded"
-	case OutcomeMissing:
-		return "missing"
-	case OutcomeFailed:
-		return "failed"
-	}
-	return "outcome(" + strconv.Itoa(int(o)) + ")"
+// Label is o's label value: its name, in a label's spelling
+// ("not_admitted").
+func Label(o Outcome) string {
+	return strings.ReplaceAll(o.String(), " ", "_")
 }
 
 // RemovalStats is what the metrics read of the engine's removal feed.

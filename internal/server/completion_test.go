@@ -113,45 +113,35 @@ func TestEveryCompletionDecodes(t *testing.T) {
 	}
 }
 
-// TestEveryEngineOutcomeMapsToTheWire: each engine outcome has the
-// protocol's outcome of the same name, and a completion carrying it
-// decodes to that outcome (pending, which no finished job reports, is
-// sent cancelled); a value past the engine's outcomes maps to none.
-func TestEveryEngineOutcomeMapsToTheWire(t *testing.T) {
+// TestEveryEngineOutcomeIsSentAsItself: a completion carrying each
+// engine outcome decodes to the same outcome (one vocabulary, package
+// outcome), but pending, which no finished job reports, which is sent
+// cancelled; a value past the engine's outcomes is sent failed, with
+// CodeInternal.
+func TestEveryEngineOutcomeIsSentAsItself(t *testing.T) {
 	for _, tc := range []struct {
 		engine engine.Outcome
-		wire   protocol.Outcome
 		sent   protocol.Outcome
+		code   protocol.Code
 	}{
-		{engine.OutcomePending, protocol.OutcomePending, protocol.OutcomeCancelled},
-		{engine.OutcomeStored, protocol.OutcomeStored, protocol.OutcomeStored},
-		{engine.OutcomePresent, protocol.OutcomePresent, protocol.OutcomePresent},
-		{engine.OutcomeNotAdmitted, protocol.OutcomeNotAdmitted, protocol.OutcomeNotAdmitted},
-		{engine.OutcomeLoaded, protocol.OutcomeLoaded, protocol.OutcomeLoaded},
-		{engine.OutcomeMissing, protocol.OutcomeMissing, protocol.OutcomeMissing},
-		{engine.OutcomeFailed, protocol.OutcomeFailed, protocol.OutcomeFailed},
+		{engine.OutcomePending, protocol.OutcomeCancelled, protocol.CodeCancelled},
+		{engine.OutcomeStored, protocol.OutcomeStored, protocol.CodeOK},
+		{engine.OutcomePresent, protocol.OutcomePresent, protocol.CodeOK},
+		{engine.OutcomeNotAdmitted, protocol.OutcomeNotAdmitted, protocol.CodeOK},
+		{engine.OutcomeLoaded, protocol.OutcomeLoaded, protocol.CodeOK},
+		{engine.OutcomeMissing, protocol.OutcomeMissing, protocol.CodeOK},
+		{engine.OutcomeFailed, protocol.OutcomeFailed, protocol.CodeInternal},
+		{engine.OutcomeFailed + 1, protocol.OutcomeFailed, protocol.CodeInternal},
 	} {
 		t.Run(tc.engine.String(), func(t *testing.T) {
-			got, ok := wireOutcome(tc.engine)
-			if !ok || got != tc.wire {
-				t.Fatalf("wireOutcome(%v) = %v, %v; want %v", tc.engine, got, ok, tc.wire)
-			}
-			if got.String() != tc.engine.String() {
-				t.Errorf("the wire's %q for the engine's %q", got, tc.engine)
-			}
 			m := completionOf(1, protocol.JobStore, 1, engine.Result{Keys: []engine.KeyResult{{Outcome: tc.engine}}}, nil)
 			back, err := protocol.Decode(m.Type(), m.AppendBody(nil))
 			if err != nil {
 				t.Fatalf("the completion %+v does not decode: %v", m, err)
 			}
-			if o := back.(*protocol.Completion).Keys[0].Outcome; o != tc.sent {
-				t.Errorf("engine outcome %v sent as %v, want %v", tc.engine, o, tc.sent)
+			if k := back.(*protocol.Completion).Keys[0]; k.Outcome != tc.sent || k.Code != tc.code {
+				t.Errorf("engine outcome %v sent as %v (%v), want %v (%v)", tc.engine, k.Outcome, k.Code, tc.sent, tc.code)
 			}
 		})
-	}
-	// Every engine outcome is in the table above: the one after the last
-	// maps to none.
-	if o, ok := wireOutcome(engine.OutcomeFailed + 1); ok {
-		t.Errorf("wireOutcome(%v) = %v, want none", engine.OutcomeFailed+1, o)
 	}
 }

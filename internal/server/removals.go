@@ -109,7 +109,7 @@ func (s *session) stream(ctx context.Context, id uint32, sub *removals.Subscript
 			if r.To != removals.NoMount {
 				to = uint16(r.To)
 			}
-			ev.Records[i] = protocol.Removal{Seq: r.Seq, Fingerprint: r.FP, Reason: protocol.RemovalReason(r.Reason), Mount: uint16(r.Mount), To: to, Time: uint64(r.Time), Key: []byte(r.Key)}
+			ev.Records[i] = protocol.Removal{Seq: r.Seq, Fingerprint: r.FP, Reason: r.Reason, Mount: uint16(r.Mount), To: to, Time: uint64(r.Time), Key: []byte(r.Key)}
 		}
 		s.send(0, ev)
 	}

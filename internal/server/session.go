@@ -861,29 +861,6 @@ func (s *session) complete(id uint64, kind protocol.JobKind, nkeys int, job *eng
 	s.send(0, completionOf(id, kind, nkeys, res, err))
 }
 
-// wireOutcome is the protocol's outcome for the engine's outcome o; false
-// for a value that is no engine outcome. The engine's pending is the
-// protocol's pending, which completionOf never sends.
-func wireOutcome(o engine.Outcome) (protocol.Outcome, bool) {
-	switch o {
-	case engine.OutcomePending:
-		return protocol.OutcomePending, true
-	case engine.OutcomeStored:
-		return protocol.OutcomeStored, true
-	case engine.OutcomePresent:
-		return protocol.OutcomePresent, true
-	case engine.OutcomeNotAdmitted:
-		return protocol.OutcomeNotAdmitted, true
-	case engine.OutcomeLoaded:
-		return protocol.OutcomeLoaded, true
-	case engine.OutcomeMissing:
-		return protocol.OutcomeMissing, true
-	case engine.OutcomeFailed:
-		return protocol.OutcomeFailed, true
-	}
-	return 0, false
-}
-
 func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result, err error) *protocol.Completion {
 	m := &protocol.Completion{Job: id, Kind: kind, Bytes: uint64(res.Bytes), Duration: uint64(res.Duration), Keys: make([]protocol.KeyOutcome, nkeys)}
 	for i := range m.Keys {
@@ -898,7 +875,9 @@ func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result
 		}
 		// No key is sent pending, nor failed or cancelled without a code
 		// (docs/protocol.md; clients refuse such a completion).
-		o, known := wireOutcome(k.Outcome)
+		// One vocabulary (package outcome): the engine's outcome is the
+		// wire's, but that the engine has no cancelled.
+		o, known := k.Outcome, k.Outcome <= engine.OutcomeFailed
 		var code protocol.Code
 		switch {
 		case errors.Is(k.Err, context.Canceled) || k.Outcome == engine.OutcomePending:

@@ -28,57 +28,25 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvhost/kvhost/outcome"
 )
 
-// Reason is why a key left the index.
-type Reason uint8
-
-// Reasons of a record. The values are the protocol's (docs/protocol.md,
+// Reason is why a key left the index: the vocabulary's (outcome.Reason),
+// which the wire protocol's removal records speak too (docs/protocol.md,
 // "Removal streams").
-const (
-	// Evicted: the key's file was evicted to make room on its mount
-	// (the policy's victim), or deleted as a demotion's victim whose
-	// target had no room.
-	Evicted Reason = 1
-	// ClusterEvicted: evicted by this node to keep a cluster mount
-	// within its shared capacity.
-	ClusterEvicted Reason = 2
-	// Deleted: a client deleted the key (Delete).
-	Deleted Reason = 3
-	// Purged: its namespace was purged (Purge, PurgeModel, or another
-	// node's purge record on a cluster mount).
-	Purged Reason = 4
-	// Corrupt: its file failed its checks and was removed.
-	Corrupt Reason = 5
-	// Vanished: its file was removed or replaced behind this engine's
-	// back: another node evicted or deleted it on a shared mount, or an
-	// operator removed it.
-	Vanished Reason = 6
-	// Moved: the key stays stored, on another mount (Record.To): a
-	// demotion or promotion changed its medium.
-	Moved Reason = 7
-)
+type Reason = outcome.Reason
 
-// String names the reason as the protocol's documentation does.
-func (r Reason) String() string {
-	switch r {
-	case Evicted:
-		return "evicted"
-	case ClusterEvicted:
-		return "cluster-evicted"
-	case Deleted:
-		return "deleted"
-	case Purged:
-		return "purged"
-	case Corrupt:
-		return "corrupt"
-	case Vanished:
-		return "vanished"
-	case Moved:
-		return "moved"
-	}
-	return fmt.Sprintf("reason(%d)", uint8(r))
-}
+// Reasons of a record (outcome.Evicted, ...: documented there).
+const (
+	Evicted        = outcome.Evicted        // evicted for room on its mount, or a demotion's victim deleted
+	ClusterEvicted = outcome.ClusterEvicted // evicted by this node to keep a cluster mount within its capacity
+	Deleted        = outcome.Deleted        // a client deleted the key (Delete)
+	Purged         = outcome.Purged         // its namespace was purged (Purge, PurgeModel, a purge record)
+	Corrupt        = outcome.Corrupt        // its file failed its checks and was removed
+	Vanished       = outcome.Vanished       // its file removed or replaced behind this engine's back
+	Moved          = outcome.Moved          // still stored, on another mount (Record.To)
+)
 
 // NoMount is Record.To of a record that is not a move.
 const NoMount = -1
