@@ -187,47 +187,53 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 	t := p.track
 	for i := range recs {
 		r := &recs[i]
-		var slot int32
-		var ok bool
-		if r.Kind == abi.AccessHit {
-			// The commonest record: one lookup, the Tracker's hit path
-			// (a hit keeps the mount, so the list).
-			slot, ok = t.TouchEntry(r.Entry, r.Time)
-		} else {
+		if r.Kind != abi.AccessHit {
 			if err := t.Apply(r); err != nil {
 				return err
 			}
-			slot, ok = t.Pool.Lookup(r.Entry)
+			if slot, ok := t.Pool.Lookup(r.Entry); ok && (r.Kind == abi.AccessInsert || r.Kind == abi.AccessRestore) {
+				*p.windowOf(slot) = hitWindow{}
+			}
+			continue
 		}
+		// The commonest record: one lookup, the Tracker's hit path (a
+		// hit keeps the mount, so the list), and for a hit on a hot
+		// entry, nothing else.
+		slot, ok := t.Pool.Lookup(r.Entry)
 		if !ok {
 			continue
 		}
-		for int(slot) >= len(p.win) {
-			p.win = append(p.win, hitWindow{})
+		e := t.Pool.At(slot) // Tracker.Touch, inline: one call fewer
+		old := e.Time
+		e.Time = max(old, r.Time)
+		e.Hits += 1 - uint32((uint64(e.Hits)+1)>>32) // saturating
+		t.Lists[e.Class].TouchBack(&t.Pool, slot, old)
+		if p.promoteHits == 0 || uint32(e.Mount) != p.cold || !p.tiers() {
+			continue
 		}
-		w := &p.win[slot]
-		switch r.Kind {
-		case abi.AccessInsert, abi.AccessRestore:
-			*w = hitWindow{}
-		case abi.AccessHit:
-			if p.promoteHits == 0 || uint32(t.Pool.At(slot).Mount) != p.cold || !p.tiers() {
-				continue
-			}
-			// The window opens at the first hit it counts: an entry
-			// demoted long ago has not used up its window.
-			if w.hits == 0 || r.Time-w.start > p.window || r.Time < w.start {
-				w.start, w.hits = r.Time, 0
-			}
-			w.hits++
-			if w.hits >= p.promoteHits && !w.queued && len(p.pending) < maxPending {
-				// A full queue (no tick, or ticks slower than promotions)
-				// takes the entry at a later hit.
-				w.queued = true
-				p.pending = append(p.pending, r.Entry)
-			}
+		w := p.windowOf(slot)
+		// The window opens at the first hit it counts: an entry
+		// demoted long ago has not used up its window.
+		if w.hits == 0 || r.Time-w.start > p.window || r.Time < w.start {
+			w.start, w.hits = r.Time, 0
+		}
+		w.hits++
+		if w.hits >= p.promoteHits && !w.queued && len(p.pending) < maxPending {
+			// A full queue (no tick, or ticks slower than promotions)
+			// takes the entry at a later hit.
+			w.queued = true
+			p.pending = append(p.pending, r.Entry)
 		}
 	}
 	return nil
+}
+
+// windowOf returns the hit window of slot, growing the windows to it.
+func (p *Policy) windowOf(slot int32) *hitWindow {
+	for int(slot) >= len(p.win) {
+		p.win = append(p.win, hitWindow{})
+	}
+	return &p.win[slot]
 }
 
 // Evict deletes the least recently used unpinned entries on req.Mount (for

@@ -211,22 +211,6 @@ func (t *Tracker) Reclass(i int32, c uint32, old uint64) error {
 	return t.placeIn(i, c, true, old)
 }
 
-// TouchEntry is Touch of the entry id, looked up in the same call; it
-// returns the entry's slot, and false (changing nothing) for an entry
-// the Tracker does not know: a HIT for a policy that looks at each
-// record itself (tiered), with one call fewer than Lookup and Touch.
-func (t *Tracker) TouchEntry(id, now uint64) (int32, bool) {
-	i, ok := t.Pool.index.Get(id)
-	if ok {
-		e := &t.Pool.entries[i] // Touch, inline
-		old := e.Time
-		e.Time = max(old, now)
-		e.Hits += b2u(e.Hits != ^uint32(0))
-		t.Lists[e.Class].TouchBack(&t.Pool, i, old)
-	}
-	return i, ok
-}
-
 // b2u is 1 for true, 0 for false: a hit count that saturates without a
 // branch (Go's wasm code takes a jump through its function's dispatch
 // for each).
