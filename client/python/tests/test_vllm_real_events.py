@@ -605,5 +605,50 @@ class TestHybridConnectorInVllm(PublishedInVllm, HybridCase):
                          [("BlockRemoved", 1, chunks[0])])
 
 
+
+from test_vllm_real_stages import FULL_STAGES, StagesCase  # noqa: E402
+
+
+@unittest.skipIf(_DEPS, _DEPS or "")
+@unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
+@unittest.skipIf(_wired("connector", "OPTIONS", "KV connector"), _wired("connector", "OPTIONS", "KV connector") or "")
+class TestStagesConnectorInVllm(PublishedInVllm, StagesCase):
+    """KvhostConnector at PP=2 with vLLM's KV events on: a chunk reaches
+    the router once every stage holds it."""
+
+    def vllm_config(self, **kw):
+        vc = super().vllm_config(**kw)
+        from vllm.config.kv_events import KVEventsConfig
+        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
+        return vc
+
+    def test_a_chunk_is_announced_once_every_stage_holds_it(self):
+        with mock.patch.dict(sys.modules, {"vllm.distributed.kv_events": self.kv}):
+            sched, workers = self.stages(FULL_STAGES, ("full",), seed=4)
+        wait_for(lambda: sched.counters()["events"].get("subscribed"), timeout=60, what="the subscription")
+        self.connected(self.kv.AllBlocksCleared())
+        nblk, cv = HBPC + 1, convert()
+        ids = [list(range(1, 1 + nblk))]
+        stage0, stage1 = self.pairs(workers, {0}), self.pairs(workers, {1})
+        x = self.request("x", "pp-events-x", nblk)
+        self.save_on(sched, stage0, x, ids)  # stage 1's store did not happen
+        y = self.request("y", "pp-events-y", nblk)
+        self.save_prompt(sched, self.pairs(workers), y, ids)
+        hashes = {r.request_id: [cv(bytes(h)) for h in r.block_hashes[:HBPC]] for r in (x, y)}
+
+        def step():
+            self.publish(sched.take_events())
+
+        def announced(got):
+            return [f["block_hashes"] for t, f, _, _ in got if t == "BlockStored"]
+        # The daemon is asked about x's chunk with y's, or before it: y's
+        # event comes, x's does not.
+        got = self.until(step, lambda g: hashes["y"] in announced(g), "y's event")
+        self.assertEqual(announced(got), [hashes["y"]])
+        self.save_on(sched, stage1, self.request("x2", "pp-events-x", nblk), ids)
+        got = self.until(step, lambda g: hashes["x"] in announced(g), "x's event, stage 1 holding it too")
+        self.assertEqual(announced(got), [hashes["x"]])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -90,6 +90,21 @@ class StagesCase(HybridCase):
             content.update(pickle.loads(pickle.dumps({(s, r): w.get_handshake_metadata()})))
         sched.set_xfer_handshake_metadata_pp_aware(content)
 
+    def save_on(self, sched, pairs, req, ids):
+        """req computed in ids (one list per group) and saved by the
+        workers of pairs only (the others' stores did not happen), nothing
+        claimed; stepped until they report its stores ended."""
+        sched.update_state_after_alloc(req, self.group_blocks(ids), 0)
+        self.step(sched, pairs, self.group_output(new=[(req, ids)], scheduled={req.request_id: req.num_tokens}))
+        sched.request_finished_all_groups(req, tuple([] for _ in ids))
+        finished = {req.request_id}
+
+        def stored():
+            done, _ = self.step(sched, pairs, self.group_output(finished=finished))
+            finished.clear()
+            return req.request_id in done
+        rh.rk.d.wait_for(stored, what=f"{req.request_id}'s stores ended")
+
     @staticmethod
     def pairs(workers, stages=None):
         """(worker, caches) of the stages in stages (None: every one), as
@@ -172,18 +187,7 @@ class PipelineStagesTest(StagesCase):
         # holds its next 2 (stage 1's stores did not happen) and all of y.
         self.save_prompt(sched, both, self.request("a", "pp-x", 2 * BPC + 1), [list(range(1, 2 + 2 * BPC))])
         for rid, tag in (("b", "pp-x"), ("c", "pp-y")):
-            req = self.request(rid, tag, 4 * BPC + 1)
-            sched.update_state_after_alloc(req, self.group_blocks([list(range(30, 31 + 4 * BPC))]), 0)
-            self.step(sched, stage0, self.group_output(new=[(req, [list(range(30, 31 + 4 * BPC))])],
-                                                       scheduled={rid: req.num_tokens}))
-            sched.request_finished_all_groups(req, ([],))
-            finished = {rid}
-
-            def stored():
-                done, _ = self.step(sched, stage0, self.group_output(finished=finished))
-                finished.clear()
-                return rid in done
-            rh.rk.d.wait_for(stored, what=f"{rid}'s stores ended")
+            self.save_on(sched, stage0, self.request(rid, tag, 4 * BPC + 1), [list(range(30, 31 + 4 * BPC))])
         (_, w0, _), (_, w1, _) = workers
         got = {m: k for m, k, _ in self.stored_since(before)}
         self.assertEqual(w0.counters()["store_keys"], 2 + 4 + 4)
