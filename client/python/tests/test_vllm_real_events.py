@@ -448,6 +448,16 @@ class PublishedInVllm(Published):
         self.assertEqual(on_storage(self.router.taken(), "BlockRemoved"), [], "a kept key reported removed")
 
 
+class EventsOn:
+    """An engine case whose vLLM config turns vLLM's KV events on."""
+
+    def vllm_config(self, **kw):
+        vc = super().vllm_config(**kw)
+        from vllm.config.kv_events import KVEventsConfig
+        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
+        return vc
+
+
 def _wired(module, options, what):
     """None where kvhost.vllm's module (tier, connector) reports removals
     (its options name max_tracked_keys: docs/routers.md), else why the
@@ -515,15 +525,9 @@ from test_vllm_real_kvconnector import BPC, RealKvConnectorCase  # noqa: E402
 @unittest.skipIf(_DEPS, _DEPS or "")
 @unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
 @unittest.skipIf(_wired("connector", "OPTIONS", "KV connector"), _wired("connector", "OPTIONS", "KV connector") or "")
-class TestConnectorInVllm(PublishedInVllm, RealKvConnectorCase):
+class TestConnectorInVllm(EventsOn, PublishedInVllm, RealKvConnectorCase):
     """KvhostConnector built by vLLM's factory with vLLM's KV events on:
     its take_events, as vLLM's scheduler publishes them, to a router."""
-
-    def vllm_config(self, **extra):
-        vc = super().vllm_config(**extra)
-        from vllm.config.kv_events import KVEventsConfig
-        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
-        return vc
 
     def test_a_saved_prompts_chunks_reach_the_router_stored_then_removed_with_their_block_hashes(self):
         with mock.patch.dict(sys.modules, {"vllm.distributed.kv_events": self.kv}):
@@ -558,16 +562,10 @@ from test_vllm_real_hybrid import BLOCK as HBLOCK, BPC as HBPC, HybridCase  # no
 @unittest.skipIf(_DEPS, _DEPS or "")
 @unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
 @unittest.skipIf(_wired("connector", "OPTIONS", "KV connector"), _wired("connector", "OPTIONS", "KV connector") or "")
-class TestHybridConnectorInVllm(PublishedInVllm, HybridCase):
+class TestHybridConnectorInVllm(EventsOn, PublishedInVllm, HybridCase):
     """KvhostConnector of a hybrid model (full attention, sliding window,
     Mamba) with vLLM's KV events on: every KV-cache group's chunks reach
     the router, each event naming its group."""
-
-    def vllm_config(self, **kw):
-        vc = super().vllm_config(**kw)
-        from vllm.config.kv_events import KVEventsConfig
-        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
-        return vc
 
     def test_every_groups_chunks_reach_the_router_stored_then_removed_under_their_group(self):
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
@@ -612,15 +610,9 @@ from test_vllm_real_stages import FULL_STAGES, StagesCase  # noqa: E402
 @unittest.skipIf(_DEPS, _DEPS or "")
 @unittest.skipIf(vllm_tree.skip_reason(), vllm_tree.skip_reason() or "")
 @unittest.skipIf(_wired("connector", "OPTIONS", "KV connector"), _wired("connector", "OPTIONS", "KV connector") or "")
-class TestStagesConnectorInVllm(PublishedInVllm, StagesCase):
+class TestStagesConnectorInVllm(EventsOn, PublishedInVllm, StagesCase):
     """KvhostConnector at PP=2 with vLLM's KV events on: a chunk reaches
     the router once every stage holds it."""
-
-    def vllm_config(self, **kw):
-        vc = super().vllm_config(**kw)
-        from vllm.config.kv_events import KVEventsConfig
-        vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
-        return vc
 
     def test_a_chunk_is_announced_once_every_stage_holds_it(self):
         with mock.patch.dict(sys.modules, {"vllm.distributed.kv_events": self.kv}):
