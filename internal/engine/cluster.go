@@ -268,7 +268,7 @@ func (h clusterHost) AdoptFiles(ctx context.Context, tags map[uint32]bool, temps
 				// load it. Dropped as a load drops a corrupt file, through
 				// the index (the path held, the file removed only if it is
 				// still this one); a removal that fails leaves it counted
-				// on this node's mount (index.left) and tried again.
+				// on this node's mount (index.Leaving's left) and tried again.
 				e.st.corrupt.Add(1)
 				e.cfg.Logger.Warn("engine: cluster: a dead node's corrupt file removed", "mount", m.root, "err", short)
 				e.rm.drop(ctx, got, true, "corrupt")

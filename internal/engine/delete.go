@@ -46,7 +46,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			return removed, err
 		}
 		// A key whose file's removal failed counts: deleted from the
-		// cache, never served again (index.left), though its file stays.
+		// cache, never served again (index.Leaving's left), though its file stays.
 		if d := e.rm.dropUnpinned(ctx, en, keyOf[en], nil, "deleted"); d.en != nil {
 			removed += byEntry[en]
 		}
@@ -70,7 +70,7 @@ type droppedKey struct {
 	keys int
 	// pinned: a client pin kept the file (en is nil).
 	pinned bool
-	// left: the file's removal failed; it stays on disk (index.left),
+	// left: the file's removal failed; it stays on disk (index.Leaving's left),
 	// counted as used, until a later eviction or purge removes it.
 	left bool
 	// kept: en was dropped from the index only, its file left on disk to
@@ -202,7 +202,7 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 
 // purge removes the files of the namespaces of fps indexed now
 // (dropUnpinned), and tries again those whose removal failed before
-// (index.left), adds the namespaces and what it removed and kept to res,
+// (index.Leaving's left), adds the namespaces and what it removed and kept to res,
 // and reports whether there were any such files (found) and whether it
 // removed one. One walk of the index serves every fingerprint. A file
 // for which mayRemove says no (another node's on a cluster mount:

@@ -541,7 +541,7 @@ func (t *tiering) move(ctx context.Context, id uint64, target int, mayEvict bool
 
 // moveEntry is move; with held, the restart hold's pin does not keep the
 // entry where it is (demoteHeld): a file the hold pins moves with its pin,
-// which the copy takes over (index.holdLocked), and the policy is told
+// which the copy takes over (index.Pins.holdLocked), and the policy is told
 // of it (AccessPin after the copy's INSERT).
 func (t *tiering) moveEntry(ctx context.Context, id uint64, target int, mayEvict, held bool) (int64, error) {
 	if target < 0 || target >= t.kvMounts {
@@ -640,8 +640,8 @@ func (t *tiering) moveEntry(ctx context.Context, id uint64, target int, mayEvict
 // the file already at the target: dropCopy) took its place in the index,
 // and returns its size. The move holds en's path, which it releases. The
 // removal is a dropped entry's (removeAt): en is among the files being
-// removed (index.removing) from its unindexing on, and where the unlink
-// fails its file is left for an eviction to try again (index.left), its
+// removed (index.Leaving's removing) from its unindexing on, and where the unlink
+// fails its file is left for an eviction to try again (index.Leaving's left), its
 // bytes still counted; a cluster adopter retires no dead node meanwhile
 // (leftOf).
 func (t *tiering) removeMoved(en *entry) int64 {
@@ -766,7 +766,7 @@ func (t *tiering) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, 
 // killed between its rename and the removal of its source leaves. The copy
 // with the newest ctime (the move's target) is kept, the other removed, if
 // it is still the file read; where its removal fails, it is a file left on
-// disk (index.left), counted as used until an eviction on its mount
+// disk (index.Leaving's left), counted as used until an eviction on its mount
 // removes it. Files without an id are never merged.
 func (t *tiering) dedupe(found []*entry) []*entry {
 	type fileKey struct{ fp, fid uint64 }

@@ -61,7 +61,7 @@ func (r *remover) recordDrop(en *entry, remove bool, reason removals.Reason) {
 // dropped ends the drop of en from the index (index.drop,
 // index.dropUnpinned): it removes the file where the drop claimed its
 // path and tells the policy (rec). It reports whether en's file, to be
-// removed, is still on disk: its removal failed (index.left).
+// removed, is still on disk: its removal failed (index.Leaving's left).
 func (r *remover) dropped(ctx context.Context, en *entry, claimed bool, rec abi.AccessRecord, why string) (left bool) {
 	if claimed {
 		left = r.removeClaimed(en)
@@ -88,7 +88,7 @@ func (r *remover) releaseFreed(path string, freed []*entry) {
 // releaseRemoved is releaseFreed for a holder that has just tried to
 // remove the file of one of ens: left, where not nil, is the one whose
 // file is still there, at at (disposeIfSame), which its mount goes on
-// counting (index.leaveLocked); the others stop counting.
+// counting (index.Leaving.leaveLocked); the others stop counting.
 func (r *remover) releaseRemoved(path string, ens []*entry, left *entry, at string) {
 	fl, orphans := r.ix.ReleaseLeaving(path, ens, left, at)
 	r.endRelease(path, fl, orphans)
@@ -132,7 +132,7 @@ func (r *remover) evictClaimed(en *entry) {
 }
 
 // retryLeft tries again to remove m's files whose removal failed
-// (index.left), but those whose path a job holds now and those it tried
+// (index.Leaving's left), but those whose path a job holds now and those it tried
 // within leftRetryInterval. An eviction calls it before it asks for
 // victims; where no file is left (the common case) it takes no lock.
 func (r *remover) retryLeft(m *mount) {
@@ -200,7 +200,7 @@ func (r *remover) removeIfSame(path string, ens []*entry) *entry {
 // kept one. left is the entry of ens whose file may still be there, at
 // at (path, or the spare's name it was renamed to), because a step failed
 // with an I/O error (an open or read other than "not found", the unlink
-// itself): the caller goes on counting its bytes (index.leaveLocked),
+// itself): the caller goes on counting its bytes (index.Leaving.leaveLocked),
 // for an eviction to try again (retryLeft). The first such failure of a
 // file counts in Stats.RemoveFailures and logs a warning; a retry's
 // failure is logged at debug level only.

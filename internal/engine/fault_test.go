@@ -1051,7 +1051,7 @@ func TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted(t *testing.T) {
 // TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk: a move keeps its file's
 // header id, so two files of one id are on disk for a while, the source
 // and the copy, and one of them stays there where its removal fails
-// (index.left; where its identity is unknown, the id alone tells it). The
+// (index.Leaving's left; where its identity is unknown, the id alone tells it). The
 // file left is the only one removed later: the other, live one stays,
 // loads, and is indexed again by a lookup that finds it; and the mounts
 // count each file once. So too where a move back puts a copy of the same

@@ -27,7 +27,7 @@ import (
 // may demote a held file to another mount, into free room there
 // (restartHold.demote), and the copy keeps the hold's pin. A pin of the hold is
 // not a client pin: Delete still removes a held file. Held entries are
-// marked (entry.held) and listed by mount (index.heldOrder), so that the
+// marked (entry.held) and listed by mount (index.Pins' heldOrder), so that the
 // release unpins only them and a demotion round visits only its own
 // mount's, each in chunks of heldChunk under the index's write lock. A
 // policy that replaces the current one is told of their pins as of

@@ -27,7 +27,7 @@ import (
 // seen to; NFS does not, and is left out: othersRemove); a load of the
 // pinned key then reads the file through that descriptor,
 // whether or not it is still at its name, and finds the entry, which a
-// removal took out of the index, in index.pinnedGone.
+// removal took out of the index, in index.Pins' pinnedGone.
 
 // pinnedRef is a load's reference to a pinnedFile: the file, whose Close
 // releases the reference instead of closing it.

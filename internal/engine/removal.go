@@ -62,7 +62,7 @@ type remover struct {
 	// once its file is gone (pend, settle): by the dropper (removeAt,
 	// evictClaimed), by the job that held the path meanwhile (an
 	// orphan: endRelease), or by a later try where the removal failed
-	// (index.left: retryLeft, a purge). An orphan of an eviction
+	// (index.Leaving's left: retryLeft, a purge). An orphan of an eviction
 	// (index.Evict) has none: it is recorded evicted (publishOrphans).
 	pending sync.Map // *entry -> removals.Reason
 }

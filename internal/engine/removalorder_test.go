@@ -22,7 +22,7 @@ import (
 // made before its file is gone is a key a crash at that moment leaves
 // loadable after the restart, though subscribers were told it is gone.
 // fail, where set, makes the first unlink of that path fail with EIO (a
-// removal that leaves the file: index.left).
+// removal that leaves the file: index.Leaving's left).
 type unlinkWatchFS struct {
 	fsys.OS
 	mu     sync.Mutex

@@ -74,7 +74,7 @@ var errPathHeld = errors.New("engine: a job of this engine holds the path")
 // errPathHeld too where read, the read of the file (nil: none), went
 // stale: a job of this engine held the path since, and may have removed
 // or replaced the file. It returns nil and no error where the file is one
-// this engine dropped and could not remove (index.left): its keys were
+// this engine dropped and could not remove (index.Leaving's left): its keys were
 // deleted or evicted, and stay so.
 func (s sharedDir) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
 	en.NS = uint32(s.e.tables.namespaceOf(en.FP))
