@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -39,10 +40,15 @@ const maxBound = 1 << 60
 // there), every later one reads it. A node without Capacity takes the
 // agreed bound; one with another fails, naming both. An object that does
 // not hold a bound (other bytes, a size out of range) fails Open, naming
-// it: nothing stored is touched.
+// it: nothing stored is touched. A node without Capacity that cannot read
+// the object (a store that refuses it) goes on without a bound, logged.
 func (s *Store) agreeBound(ctx context.Context) error {
 	name := s.cfg.Prefix + boundName
 	agreed, found, err := s.readBound(ctx, name)
+	if err != nil && s.cfg.Capacity == 0 && !errors.Is(err, ErrConfig) {
+		s.cfg.Logger.Warn("objstore: the bound's object cannot be read; no bound", "object", name, "err", err)
+		return nil
+	}
 	if err != nil {
 		return err
 	}

@@ -323,3 +323,24 @@ func TestABoundObjectThatHoldsNoBoundIsRefused(t *testing.T) {
 		})
 	}
 }
+
+// TestABoundObjectTheStoreRefusesStopsOnlyANodeWithABound: where the
+// store refuses to read the bound's object, a node without a bound opens
+// without one, and a node with one fails, naming the object.
+func TestABoundObjectTheStoreRefusesStopsOnlyANodeWithABound(t *testing.T) {
+	cfg := rgwConfig(t)
+	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	if err := objstore.RawClient(a.store).DenyGet(context.Background(), cfg.Prefix+"kvhost-capacity"); err != nil {
+		t.Fatal(err)
+	}
+	st, err := objstore.Open(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("a node without a bound beside a bound's object it may not read: %v, want it open", err)
+	}
+	st.Close()
+	bounded := cfg
+	bounded.Capacity = objectLen()
+	if _, err := objstore.Open(context.Background(), bounded); err == nil || !strings.Contains(err.Error(), "kvhost-capacity") {
+		t.Fatalf("a node with a bound beside a bound's object it may not read: %v, want a failure naming the object", err)
+	}
+}

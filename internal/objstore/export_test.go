@@ -71,3 +71,10 @@ func (r Raw) ParallelGet(ctx context.Context, names []string, size, rangeSize in
 		return nil
 	}
 }
+
+// DenyGet sets a bucket policy that refuses every GET of the object name.
+func (r Raw) DenyGet(ctx context.Context, name string) error {
+	doc := fmt.Sprintf(`{"Version":"2012-10-17","Statement":[{"Effect":"Deny","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::%s/%s"}]}`, r.s.cfg.Bucket, name)
+	_, err := r.s.client.PutBucketPolicy(ctx, &s3.PutBucketPolicyInput{Bucket: &r.s.cfg.Bucket, Policy: &doc})
+	return err
+}
