@@ -477,7 +477,7 @@ func (c *Mount) read(ctx context.Context) error {
 	}
 	// The use is an access of the file: the policy hears of it as a hit
 	// at its time, and the file ranks at least as the user ranks it.
-	recs := c.Index.Files().Touch(c.Idx, func(fid uint64) (int64, bool) {
+	recs := c.Index.Pins().Touch(c.Idx, func(fid uint64) (int64, bool) {
 		t, ok := touched[fid]
 		if ok {
 			c.floor[fid] = max(c.floor[fid], t.Rank)

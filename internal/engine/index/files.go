@@ -258,24 +258,3 @@ func (f *Files) Records(kind uint32) []abi.AccessRecord {
 	f.Each(func(en *Entry) { recs = append(recs, en.Access(kind, en.Last)) })
 	return recs
 }
-
-// Touch records uses by other nodes of the indexed files on mount: at
-// returns the time of the use of a file by its header id (ok false:
-// none); a use later than the file's last access becomes its last
-// access, and a hit record of it is returned.
-func (f *Files) Touch(mount int, at func(fid uint64) (int64, bool)) []abi.AccessRecord {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	var recs []abi.AccessRecord
-	for _, en := range f.entries {
-		if en.Mount != mount {
-			continue
-		}
-		t, ok := at(en.FID)
-		if ok && t > en.Last {
-			en.Last = t
-			recs = append(recs, en.Access(abi.AccessHit, en.Last))
-		}
-	}
-	return recs
-}

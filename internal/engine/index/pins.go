@@ -50,6 +50,27 @@ func (p *Pins) Hit(ens []*Entry, now int64) []abi.AccessRecord {
 	return recs
 }
 
+// Touch records uses by other nodes of the indexed files on mount: at
+// returns the time of the use of a file by its header id (ok false:
+// none); a use later than the file's last access becomes its last
+// access, and a hit record of it is returned.
+func (p *Pins) Touch(mount int, at func(fid uint64) (int64, bool)) []abi.AccessRecord {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var recs []abi.AccessRecord
+	for _, en := range p.files.entries {
+		if en.Mount != mount {
+			continue
+		}
+		t, ok := at(en.FID)
+		if ok && t > en.Last {
+			en.Last = t
+			recs = append(recs, en.Access(abi.AccessHit, en.Last))
+		}
+	}
+	return recs
+}
+
 // PinKey finds the entry of key of fingerprint fp, or the entry a client
 // pin holds open out of the index (pinnedGone), and pins it for a load
 // (pinLoadLocked); nil where neither has one. An entry held open is
