@@ -198,9 +198,10 @@ func TestListAgainstASortedSlice(t *testing.T) {
 }
 
 // TestMoveBackIsRemoveThenInsert: random moves of entries between three
-// lists (to the back's time or later, the commonest, or to any time)
+// lists (to the back's time or later, the commonest, or to any time), and
+// hits within a list (TouchBack, to the back's time or a little later),
 // leave the lists, links and all, as Remove then Insert leaves them; the
-// entries also take ordinary inserts, removes and touches between moves.
+// entries also take ordinary inserts and removes between them.
 func TestMoveBackIsRemoveThenInsert(t *testing.T) {
 	for _, span := range []uint64{4, 1000, 1 << 40} {
 		rng := rand.New(rand.NewPCG(span, 5))
@@ -232,6 +233,18 @@ func TestMoveBackIsRemoveThenInsert(t *testing.T) {
 				pa.Delete(i)
 				pb.Delete(i)
 				delete(on, i)
+			case rng.IntN(3) == 0:
+				// A hit within the list: TouchBack, the time not lower.
+				i := slots[rng.IntN(len(slots))]
+				c, old := on[i], pa.At(i).Time
+				tm := old + rng.Uint64N(3)
+				if back := la[c].tail; rng.IntN(4) != 0 {
+					tm = max(old, pa.At(back).Time+rng.Uint64N(2))
+				}
+				lb[c].Remove(&pb, i)
+				pa.At(i).Time, pb.At(i).Time = tm, tm
+				la[c].TouchBack(&pa, i, old)
+				lb[c].Insert(&pb, i)
 			default:
 				i := slots[rng.IntN(len(slots))]
 				from, to := on[i], rng.IntN(3)

@@ -258,13 +258,20 @@ func (l *List) TouchBack(p *Pool, i int32, old uint64) {
 	l.tail = i
 	pi := priority(i)
 	for y := at; y != none && priority(y) < pi; y = x.up {
+		// Rotate i above y. y is an ancestor of the back, so the right
+		// child of its parent g (or the root), where i goes.
 		b := x.left
 		if e[y].right = b; b != none {
 			e[b].up = y
 		}
-		x.left = y
-		l.replace(p, y, i) // inlined
+		g := e[y].up
+		x.left, x.up = y, g
 		e[y].up = i
+		if g == none {
+			l.root = i
+		} else {
+			e[g].right = i
+		}
 	}
 }
 
@@ -305,13 +312,20 @@ func (l *List) MoveBack(p *Pool, i int32, dst *List) {
 	e[at].right = i
 	dst.tail = i
 	for pi, y := priority(i), at; y != none && priority(y) < pi; y = x.up {
+		// Rotate i above y. y is an ancestor of the back, so the right
+		// child of its parent g (or the root), where i goes.
 		b := x.left
 		if e[y].right = b; b != none {
 			e[b].up = y
 		}
-		x.left = y
-		dst.replace(p, y, i) // inlined
+		g := e[y].up
+		x.left, x.up = y, g
 		e[y].up = i
+		if g == none {
+			dst.root = i
+		} else {
+			e[g].right = i
+		}
 	}
 }
 
