@@ -282,6 +282,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.objs.watch()
 	e.rm.objs = &e.objs
 	e.tier.objs, e.objs.lazy = &e.objs, e.tier.demotes
+	if cfg.Objects != nil {
+		e.objs.promoter = newObjectPromoter(e, e.busy.down)
+	}
 	e.own.openOwners(e.mounts, e.watch.spareEligible) // before the walk, which keeps live owners' spares
 	// The cluster locks before the walk too: an adopter of this node's
 	// files then lets go of them (openCluster).

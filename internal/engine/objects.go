@@ -92,9 +92,12 @@ type objectTier struct {
 	// copied only where admission sent it there, else every one is. Set
 	// once at Open; nil: never.
 	lazy func() bool
-	st   *counters
-	io   *fsys.InFlight
-	log  *slog.Logger
+	// promoter promotes keys loaded whole from the object mount where the
+	// policy decides (objpromote.go); nil without an object mount.
+	promoter *objectPromoter
+	st       *counters
+	io       *fsys.InFlight
+	log      *slog.Logger
 }
 
 // objectClass is the device class the removal feed names the object
@@ -314,6 +317,16 @@ func (o *objectTier) load(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		return
 	}
 	o.loaded(j, i, lr, sk.moved[k]+sk.skipped[k], sk.moved[k])
+	o.promote(c, key, lr)
+}
+
+// promote offers key, loaded whole into c from the object mount, for
+// promotion to a file mount, where the policy decides what the object
+// mount takes (lazy).
+func (o *objectTier) promote(c *cache, key []byte, lr LayerRange) {
+	if o.promoter != nil && lr.all() && o.lazy != nil && o.lazy() {
+		o.promoter.offer(c, key)
+	}
 }
 
 // loaded sets key i of j loaded from the object mount and counts it: read
@@ -371,6 +384,7 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 		return
 	}
 	o.loaded(j, i, lr, h.FileLen(), sk.moved[k])
+	o.promote(c, key, lr)
 }
 
 // memorySums returns the CRC-32C of the payload of the keys marked in

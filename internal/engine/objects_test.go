@@ -14,6 +14,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -33,8 +34,9 @@ type memObjects struct {
 	onGone []func(fp uint64, key []byte, evicted bool) // each engine's
 	full   bool                                        // Upload fails with ENOSPC
 	// published and uploads count the files Published was told of and
-	// those Upload copied.
+	// those Upload copied; reads, the reads of objects.
 	published, uploads int
+	reads              atomic.Int64
 }
 
 func objName(fp uint64, key []byte) string { return fmt.Sprintf("%016x/%x", fp, key) }
@@ -153,6 +155,7 @@ type memObject struct {
 }
 
 func (f *memObject) ReadAt(p []byte, off int64) (int, error) {
+	f.o.reads.Add(1)
 	f.o.mu.Lock()
 	b, ok := f.o.objs[f.name]
 	f.o.mu.Unlock()

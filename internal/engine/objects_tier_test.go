@@ -8,9 +8,11 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/engine/removals"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // The policy decides what the object mount takes: it is described to the
@@ -155,5 +157,31 @@ func TestAdmissionSendsAFileToTheObjectMount(t *testing.T) {
 	defer objs.mu.Unlock()
 	if objs.published != len(keys) || objs.uploads != 0 {
 		t.Fatalf("%d files published to the object mount, %d copied at demotions; want every one of %d published, none demoted (they were there)", objs.published, objs.uploads, len(keys))
+	}
+}
+
+// TestAKeyLoadedFromTheObjectMountIsPromotedWhereThePolicyAdmitsIt: with
+// a policy that decides what the object mount takes, a key demoted there
+// and then loaded whole is stored again on the file mount, with its
+// bytes, and its next load is from that file, not the object mount.
+func TestAKeyLoadedFromTheObjectMountIsPromotedWhereThePolicyAdmitsIt(t *testing.T) {
+	objs := newMemObjects(t)
+	pol := &objectPolicy{demotingPolicy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	e, ns, c, _, keys, want := openObjectTier(t, objs, pol)
+	i := slices.IndexFunc(keys, func(k []byte) bool { return e.find(e.tables.get(ns), k) == nil })
+	if i < 0 {
+		t.Fatal("no key was demoted")
+	}
+	into := [][]int{{40, 41, 42, 43}}
+	loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
+	testwait.Until(t, "the promotion", 10*time.Second, func() bool { return e.objs.promoter.promoted.Load() == 1 })
+	en := e.find(e.tables.get(ns), keys[i])
+	if en == nil || en.Mount != 0 {
+		t.Fatalf("the promoted key's entry: %+v, want a file on mount 0", en)
+	}
+	gets := objs.reads.Load()
+	loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
+	if objs.reads.Load() != gets {
+		t.Fatal("the promoted key's next load read the object mount")
 	}
 }
