@@ -67,7 +67,8 @@ type TierStats struct {
 	// Moves counts moves asked by the policy's tick (promotions included).
 	Moves uint64
 	// Promotions counts moves to an earlier (by convention faster) mount,
-	// whatever asked for them.
+	// whatever asked for them, and keys promoted from the object mount
+	// (objpromote.go).
 	Promotions uint64
 	// MoveFailures counts moves that failed (no space, I/O errors); the
 	// entry stays where it was. A demotion stopped because the caller of
@@ -207,8 +208,12 @@ func (e *Engine) TierStats() TierStats { return e.tier.stats() }
 // stats returns the move counters.
 func (t *tiering) stats() TierStats {
 	c := &t.st
+	promotions := c.promotions.Load()
+	if t.objs != nil && t.objs.promoter != nil {
+		promotions += t.objs.promoter.promoted.Load()
+	}
 	return TierStats{
-		Demotions: c.demotions.Load(), Moves: c.moves.Load(), Promotions: c.promotions.Load(), MoveFailures: c.moveFailures.Load(),
+		Demotions: c.demotions.Load(), Moves: c.moves.Load(), Promotions: promotions, MoveFailures: c.moveFailures.Load(),
 		DemotionDeletes: c.demotionDeletes.Load(), Deduped: c.deduped.Load(),
 		MountUpdates: c.mountUpdates.Load(), Ticks: c.ticks.Load(),
 	}

@@ -174,7 +174,7 @@ func TestAKeyLoadedFromTheObjectMountIsPromotedWhereThePolicyAdmitsIt(t *testing
 	}
 	into := [][]int{{40, 41, 42, 43}}
 	loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
-	testwait.Until(t, "the promotion", 10*time.Second, func() bool { return e.objs.promoter.promoted.Load() == 1 })
+	testwait.Until(t, "the promotion", 10*time.Second, func() bool { return e.TierStats().Promotions == 1 })
 	en := e.find(e.tables.get(ns), keys[i])
 	if en == nil || en.Mount != 0 {
 		t.Fatalf("the promoted key's entry: %+v, want a file on mount 0", en)

@@ -296,7 +296,7 @@ var (
 	dMountMovedIn       = desc("kvhost_mount_moved_in_files_total", "Files moved to a mount from another tier (demotions, promotions, tick moves).", "mount")
 	dMountMovedOut      = desc("kvhost_mount_moved_out_files_total", "Files moved from a mount to another tier (demotions, promotions, tick moves).", "mount")
 	dDemotions          = desc("kvhost_demotions_total", "Eviction victims moved to another mount instead of deleted (they stay stored; not in kvhost_evictions_total).")
-	dPromotions         = desc("kvhost_promotions_total", "Files moved to an earlier (faster) mount.")
+	dPromotions         = desc("kvhost_promotions_total", "Files moved to an earlier (faster) mount, and keys promoted from the object mount.")
 	dTickMoves          = desc("kvhost_tick_moves_total", "Moves the policy's tick asked for and the engine carried out (promotions included).")
 	dMoveFailures       = desc("kvhost_move_failures_total", "Moves between mounts that failed (no space, I/O errors); the file stays where it was.")
 	dDemoteDeletes      = desc("kvhost_demotion_deletes_total", "Victims the policy wanted demoted, deleted because the target had no room (MOVE_DELETE_IF_FULL) or held another file at the path; also in kvhost_evictions_total.")
