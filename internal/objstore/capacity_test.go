@@ -234,7 +234,8 @@ func TestAQuotaBelowTheBoundEvictsAndTriesAgain(t *testing.T) {
 // sees the object mount as its cold mount (mount 1): no file is copied
 // when published; the keys evicted from the file mount are uploaded at
 // their demotion and stay hits there, and another node loads them with
-// their bytes.
+// their bytes; one loaded on the first node is promoted back to its file
+// mount, and its next load reads no object.
 func TestTieredDemotesToTheBucketAndAnotherNodeLoadsWhatItDemoted(t *testing.T) {
 	cfg := rgwConfig(t)
 	mount := engine.Mount{Path: filepath.Join(t.TempDir(), "a"), Capacity: 3 * objectLen()}
@@ -264,7 +265,17 @@ func TestTieredDemotesToTheBucketAndAnotherNodeLoadsWhatItDemoted(t *testing.T) 
 	}
 	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
 	loadAndCompare(t, b, demoted, wantDemoted)
-	t.Logf("tiered over one mount of 3 keys and the bucket: %d of %d keys demoted to the bucket, 0 copied when published; another node loads them", len(demoted), len(keys))
+
+	// A demoted key loaded on the demoting node is promoted back to its
+	// file mount, and loads from there.
+	loadAndCompare(t, a, demoted[:1], wantDemoted[:1])
+	testwait.Until(t, "the promotion", time.Minute, func() bool { return a.eng.TierStats().Promotions >= 1 })
+	gets := a.store.Stats().Gets
+	loadAndCompare(t, a, demoted[:1], wantDemoted[:1])
+	if a.store.Stats().Gets != gets {
+		t.Fatal("the promoted key's next load read the bucket")
+	}
+	t.Logf("tiered over one mount of 3 keys and the bucket: %d of %d keys demoted to the bucket, 0 copied when published; another node loads them; one loaded on the first node is promoted back", len(demoted), len(keys))
 }
 
 // TestTheNodesOfAPrefixAgreeOnOneBound: the first node with a bound writes
