@@ -229,5 +229,118 @@ class PipelineTest(unittest.TestCase):
                     self.pipelined(2.0, **{key: value})
 
 
+PER_LAYER = LLAMA_BYTES_PER_TOKEN // 32  # one layer's bytes per token
+
+
+def staged(*layers, gbps=2.0, bpt=None, **kw):
+    """A cost at gbps per worker: one worker of layers[0] layers (bpt
+    bytes per token, by default theirs) where layers is one number,
+    else pipeline stages of those layers."""
+    stages = [(PER_LAYER * n, n) for n in layers] if len(layers) > 1 else None
+    return CostModel(bpt or PER_LAYER * max(layers), gbps, prefill_s_per_token=2e-5, prefill_s_per_token2=1e-9,
+                     layers=max(layers), stages=stages, **kw)
+
+
+class StagesSplitTest(unittest.TestCase):
+    """Under pipeline parallelism every stage loads its own layers in
+    parallel while the prefill runs through the stages in order: the
+    split prices each stage's bytes against the computation before it."""
+
+    PROMPT, HIT, CHUNK = 32768 + 512, 32768, 256
+
+    def claim(self, m):
+        return m.split(self.PROMPT, 0, self.HIT, self.CHUNK)
+
+    def test_one_stage_prices_exactly_what_the_model_without_stages_does(self):
+        import random
+        r = random.Random(93)
+        for _ in range(1500):
+            gbps, chunk, layers = r.choice([0.5, 2, 10, 50]), r.choice([16, 256]), r.choice([2, 7, 32, 80])
+            prefix, suffix = r.randrange(0, 40000), r.randrange(1, 4000)
+            computed = r.randrange(0, prefix + 1) // 16 * 16
+            hit, total = r.randrange(computed, prefix + 1), prefix + suffix
+            kw = dict(load_latency_s=r.choice([0.0, 0.002]), layers_per_load=r.choice([1, 4]))
+            plain = CostModel(PER_LAYER * layers, gbps, layers=layers, **kw)
+            one = CostModel(PER_LAYER * layers, gbps, layers=layers, stages=[(PER_LAYER * layers, layers)], **kw)
+            self.assertEqual(one.split(total, computed, hit, chunk), plain.split(total, computed, hit, chunk))
+            self.assertEqual(one.ttft_s(total, computed, hit), plain.ttft_s(total, computed, hit))
+
+    def test_claims_follow_the_slowest_stages_load_against_the_compute_before_it(self):
+        # At 2 GB/s a worker's 32-layer load of 32 K tokens is slower than
+        # its prefill (the split loads part); each pair: (why, the model
+        # that claims fewer tokens, the one that claims more).
+        cases = [
+            ("three of four layers on stage 0 claim less than one of four there", staged(24, 8), staged(8, 24)),
+            ("a heavier stage 0 claims less than equal stages", staged(24, 8), staged(16, 16)),
+            ("stage 1's three of four layers claim less than stage 0's one priced alone", staged(8, 24), staged(8)),
+            ("equal stages load in parallel: more than one worker of every layer", staged(32), staged(16, 16)),
+            ("stage 1 computes after stage 0: less than one worker of half the bytes",
+             staged(16, 16), staged(32, bpt=PER_LAYER * 16)),
+        ]
+        for why, fewer, more in cases:
+            with self.subTest(why):
+                self.assertLess(self.claim(fewer), self.claim(more))
+                self.assertGreater(self.claim(fewer), 0)
+
+    def test_equal_stages_hide_the_load_where_one_worker_of_every_layer_could_not(self):
+        # The load is the slowest stage's, so at the rate where one worker
+        # of every layer recomputes part, PP=2's stages load all of it.
+        one, two = staged(32, gbps=6.0), staged(16, 16, gbps=6.0)
+        self.assertLess(self.claim(one), self.HIT)
+        self.assertEqual(self.claim(two), self.HIT)
+
+    def test_the_split_under_stages_is_the_largest_boundary_within_min_gain_by_brute_force(self):
+        import random
+        r = random.Random(193)
+        for _ in range(800):
+            gbps, chunk = r.choice([0.5, 2, 10, 50]), r.choice([16, 256, 512])
+            layers = r.choice([(8, 24), (24, 8), (16, 16), (10, 11, 11), (1, 3)])
+            prefix, suffix = r.randrange(0, 40000), r.randrange(1, 4000)
+            computed = r.randrange(0, prefix + 1) // 16 * 16
+            hit, total = r.randrange(computed, prefix + 1), prefix + suffix
+            m = staged(*layers, gbps=gbps, load_latency_s=r.choice([0.0, 0.002]))
+            k = m.split(total, computed, hit, chunk)
+            first, last = (computed // chunk + 1) * chunk, min(hit, total) // chunk * chunk
+            cands = [computed] + list(range(first, last + 1, chunk))
+            job = max(last - computed, 0)
+
+            def ttft(c):
+                return m.ttft_s(total, computed, c, job)
+            limit = min(ttft(c) for c in cands) * (1 + m.min_gain)
+            self.assertIn(k, cands)
+            self.assertLessEqual(ttft(k), limit * (1 + 1e-12), (gbps, chunk, layers, total, computed, hit))
+            self.assertFalse([c for c in cands if c > k and ttft(c) <= limit * (1 - 1e-12)],
+                             (gbps, chunk, layers, total, computed, hit, k))
+
+    def test_a_joined_measurement_is_taken_at_the_heaviest_stages_share(self):
+        # vLLM joins the workers' reports: every stage's bytes, the slowest
+        # worker's seconds. The rate is a worker's: the heaviest stage's
+        # bytes over those seconds.
+        cases = [  # (stages' layers, GB/s learned from 4 GB in 1 s)
+            ((32,), 4.0), ((16, 16), 2.0), ((8, 24), 3.0), ((24, 8), 3.0), ((8, 8, 16), 2.0),
+        ]
+        for layers, want in cases:
+            with self.subTest(layers=layers):
+                m = staged(*layers, alpha=1.0, recover_s=0.0)
+                m.observe_load(4_000_000_000, 1.0)
+                self.assertAlmostEqual(m.load_gbps, want, places=9)
+
+    def test_a_joined_forward_pass_is_taken_as_the_whole_models(self):
+        # The slowest worker's pass is its stage's layers only: the whole
+        # model's prefill (what the model prices) takes L / its layers.
+        work = [(8192, 0)]
+        for layers, share in (((32,), 1.0), ((16, 16), 2.0), ((8, 24), 32 / 24)):
+            with self.subTest(layers=layers):
+                m = staged(*layers, alpha=1.0)
+                self.assertTrue(m.observe_compute(work, m._modelled(work) / share))
+                self.assertAlmostEqual(m.prefill_scale, 1.0, places=9)
+
+    def test_bad_stages_are_refused_by_name(self):
+        for stages in ([], [(0, 4)], [(100, 0)], [(100, 1.5)], [(-1, 2)], [100], [(100, True)]):
+            with self.subTest(stages=stages):
+                with self.assertRaisesRegex(ValueError, "stages"):
+                    CostModel(100, 2.0, stages=stages)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -118,18 +118,50 @@ class Stages(unittest.TestCase):
 
     def stage_idents(self):
         """The identities of two stages of a PP=2 engine (each its half of
-        NAMES) and a third engine's of one stage (no "stage")."""
-        o = C.options({"socket": "/nonexistent"})
-        half = len(NAMES) // 2
-        out = []
-        for s in (0, 1):
-            cfg = offloading_config("/nonexistent", rank=s)
-            cfg.parallel.pp_size, cfg.parallel.world_size = 2, 2
-            cfg.groups = (type(cfg.groups[0])(tokens_per_block=BLOCK,
-                                              layer_names=tuple(NAMES[s * half:(s + 1) * half])),)
-            cfg.worker_kv_bytes_per_block = half * PAGE
-            out.append(C.identity(cfg, o))
+        NAMES)."""
+        return [C.identity(cfg, C.options({"socket": "/nonexistent"})) for cfg in self.stage_configs((2, 2))]
+
+    @staticmethod
+    def stage_configs(split, **extra):
+        """The configs of a PP engine's stages, stage s holding the next
+        split[s] layers of NAMES."""
+        out, first = [], 0
+        for s, n in enumerate(split):
+            cfg = offloading_config("/nonexistent", rank=s, **extra)
+            cfg.parallel.pp_size, cfg.parallel.world_size = len(split), len(split)
+            cfg.groups = (type(cfg.groups[0])(tokens_per_block=BLOCK, layer_names=tuple(NAMES[first:first + n])),)
+            cfg.worker_kv_bytes_per_block = n * PAGE
+            out.append(cfg)
+            first += n
         return out
+
+    def test_the_scheduler_prices_every_stages_layers_once_it_knows_them(self):
+        # A 4-layer model from a slow mount (a worker's load of all four
+        # slower than their prefill): the claim of a 2,048-token hit.
+        from kvhost.vllm._conn_stages import StageIdentity
+        total, hit, slow = 2048 + 256, 2048, {"load_gbps": 0.05, "load_latency_ms": 0.0}
+        o = C.options({"socket": "/nonexistent", **slow})
+        cls = C.connector_class(dc.NS(KVConnectorBase_V1=None))
+
+        def claim(split):
+            cfgs = self.stage_configs(split, **slow)
+            sched = cls(None, "scheduler", config=cfgs[0])  # connects later
+            self.addCleanup(sched.shutdown)
+            sched.set_xfer_handshake_metadata_pp_aware(
+                {(s, 0): StageIdentity(s, 0, C.identity(cfg, o)) for s, cfg in enumerate(cfgs)})
+            return sched.cost_model.split(total, 0, hit, BPC * BLOCK)
+
+        def alone(layers):  # one worker of these layers: what stage 0's alone would claim
+            return C.cost_model(o, layers * PAGE / BLOCK, layers).split(total, 0, hit, BPC * BLOCK)
+        cases = [  # (why, the engine or worker that claims fewer tokens, the one that claims more)
+            ("stage 1's three layers claim less than stage 0's one priced alone", claim((1, 3)), alone(1)),
+            ("three layers on stage 0 claim less than three on stage 1", claim((3, 1)), claim((1, 3))),
+            ("equal stages load in parallel: more than one worker of all four", alone(4), claim((2, 2))),
+        ]
+        for why, fewer, more in cases:
+            with self.subTest(why):
+                self.assertLess(fewer, more)
+                self.assertGreater(fewer, 0)
 
     def test_the_scheduler_learns_every_stage_or_none(self):
         from kvhost.vllm._conn_stages import StageIdentity, stage_identities

@@ -10,6 +10,7 @@ import logging
 from .. import protocol as p
 from ..client import ConnectionLost, KvhostError
 from . import _conn_groups as groups_
+from . import _conn_stages as stages_
 from ._common import daemon_key, reason
 from ._connect import lost_connection
 
@@ -194,6 +195,8 @@ class SchedulerLookups:
                 # this claim (_conn_groups.bytes_per_token).
                 self.cost.bytes_per_token = groups_.bytes_per_token(self._groups, hit - num_computed_tokens,
                                                                     self._chunk)
+                if self._pp > 1:  # every stage's (its groups' layers)
+                    self.cost.stages = stages_.costs(self._stage_groups, hit - num_computed_tokens, self._chunk)
             k = self.cost.split(total, num_computed_tokens, hit, self._chunk)
             if self._hybrid and num_computed_tokens < k < hit and not self._claim_ok(st, num_computed_tokens, k):
                 c = num_computed_tokens

@@ -46,6 +46,7 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         # meanwhile nothing is claimed.
         self._pp = groups_.stages(config)
         self._stages = [ident] if self._pp == 1 else None
+        self._stage_groups = None  # per stage its KVGroups, with _stages under pipeline parallelism
         layers = max(1, len(grp["layer_names"]))  # (stage 0's; a stage may hold none of group 0)
         self.cost = cost_model(o, ident["page_bytes"] * layers / self._tpb, layers)
         self._lock = threading.Lock()
@@ -154,6 +155,9 @@ class ConnectorScheduler(SchedulerLookups, _Half):
                         "layers (vLLM's KV connector handshake): nothing is claimed, prefixes are still saved",
                         self._pp)
             return
+        # The split prices every stage's loads and layers from now on.
+        self._stage_groups = [groups_.groups(i) for i in idents]
+        self.cost.stages = stages_.costs(self._stage_groups, self._chunk, self._chunk)
         with self._cv:
             self._stages = idents
             client = self._client if self._broken is None else None

@@ -17,7 +17,8 @@ collects one per worker after register_kv_caches and calls the
 scheduler's set_xfer_handshake_metadata_pp_aware before any request).
 The scheduler then looks up and pins each key in every stage's
 namespaces: a prefix counts only where every stage holds it. Until it
-has heard from every stage it claims nothing.
+has heard from every stage it claims nothing. Its split then prices
+every stage's bytes and layers (costs; _split.CostModel.stages).
 """
 
 import copy
@@ -106,3 +107,11 @@ def group_here(ident, g):
     """Whether the stage of ident holds layers of KV-cache group g (a
     stage may hold none of a group whose layers are elsewhere)."""
     return bool(groups_.groups(ident)[g].layer_names)
+
+
+def costs(stage_groups, tokens, chunk):
+    """Per pipeline stage, of its KVGroups in stage_groups, the split's
+    (bytes_per_token, layers) for a claim of tokens tokens: the bytes one
+    of its workers loads per token (_conn_groups.bytes_per_token) and its
+    layers (of every group: its share of the model's computation)."""
+    return [(groups_.bytes_per_token(gs, tokens, chunk), sum(len(g.layer_names) for g in gs)) for gs in stage_groups]

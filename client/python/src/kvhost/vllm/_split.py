@@ -39,6 +39,19 @@ its end. So the learned rate drifts back to the configured one while no
 load is measured (half of the way every recover_s seconds): a split
 that stopped loading claims again, and its loads measure the rate anew.
 
+Under pipeline parallelism (stages) every stage loads its own layers on
+its own GPU from the step's start, in parallel, while the suffix's
+prefill runs through the stages in order: the model runs one pipeline
+over the whole model's layers, stage s's groups arriving at latency +
+its load x (its layers up to j) / its layers, the computation of layer
+i at the whole model's prefill x i / L. The slowest stage's load bounds
+a hit's TTFT, the earlier stages' computation hides a later one's load.
+The rate is a worker's (each stage's workers load their own bytes at
+it); vLLM joins the workers' reports (bytes summed, the slowest one's
+seconds), so a measurement's bytes are taken at the heaviest stage's
+share, and a forward pass (the slowest stage's) at the whole model's
+layers over that stage's.
+
 Pure Python, no I/O: the connector's scheduler calls ``CostModel.split``
 for every prompt (a few bisection steps, no loop over the prompt).
 """
@@ -64,6 +77,20 @@ def layer_groups(layers, per_load, shape="ramp"):
     return [(0, 1)] + inner + [(layers - 1, 1)]
 
 
+def _stage(x):
+    """One stage's (bytes_per_token, layers), checked."""
+    try:
+        b, n = x
+    except (TypeError, ValueError):
+        raise ValueError(f"kvhost.vllm: stages: want (bytes_per_token, layers) per stage, got {x!r}") from None
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < math.inf:
+        raise ValueError(f"kvhost.vllm: stages: a stage's bytes_per_token: want a number >= 0, got {b!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or (b and not n):
+        raise ValueError(f"kvhost.vllm: stages: a stage's layers: want an integer >= 0 (> 0 where it loads bytes), "
+                         f"got {n!r}")
+    return float(b), n
+
+
 class CostModel:
     """The load and prefill costs the split weighs.
 
@@ -82,7 +109,9 @@ class CostModel:
     layers a load is cut across (1: no pipeline, the max of load and
     compute); layers_per_load: the most layers in one load job; shape:
     layer_groups' shape; job_s: the seconds of load a job is sized to
-    (layers_per_job)."""
+    (layers_per_job). stages: under pipeline parallelism, per stage in
+    order its (bytes_per_token, layers) (the stages attribute; None: one
+    stage, bytes_per_token over layers)."""
 
     # A forward pass the model prices below this is not taken into the
     # scale: decode steps and small chunks cost what the model's prefill
@@ -91,7 +120,7 @@ class CostModel:
 
     def __init__(self, bytes_per_token, load_gbps, load_latency_s=0.0, prefill_s_per_token=2.0e-5,
                  prefill_s_per_token2=1.0e-9, prefill_fixed_s=0.0, min_gain=0.05, alpha=0.2, recover_s=30.0,
-                 clock=time.monotonic, layers=1, layers_per_load=4, shape="ramp", job_s=0.008):
+                 clock=time.monotonic, layers=1, layers_per_load=4, shape="ramp", job_s=0.008, stages=None):
         for name, v in (("bytes_per_token", bytes_per_token), ("load_gbps", load_gbps)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ValueError(f"kvhost.vllm: {name}: want a number > 0, got {v!r}")
@@ -110,6 +139,7 @@ class CostModel:
         self.layers, self.max_layers_per_load, self.shape = layers, layers_per_load, shape
         self.job_s = float(job_s)
         self._ends_cache = {}
+        self.stages = stages
         self.bytes_per_token = float(bytes_per_token)
         self.latency_observed = 0  # load latencies taken in
         self._prior = float(load_gbps) * 1e9  # bytes per second: the configured rate
@@ -126,6 +156,32 @@ class CostModel:
         self.observed = 0  # load measurements taken into the rate
         self._scale = 1.0  # measured over modelled prefill time
         self.compute_observed = 0  # forward passes taken into the scale
+
+    @property
+    def stages(self):
+        """Per pipeline stage, in order, its (bytes_per_token, layers): the
+        bytes one of its workers loads per token of a claim and its layers
+        (None: one stage, bytes_per_token over layers). Set it to price
+        another claim's bytes (a hybrid model's fall as the claim grows)."""
+        return self._stages
+
+    @stages.setter
+    def stages(self, stages):
+        if stages is None:
+            self._stages = None
+        else:
+            self._stages = tuple(_stage(x) for x in stages)
+            if not self._stages or not any(b for b, _ in self._stages):
+                raise ValueError(f"kvhost.vllm: stages: want (bytes_per_token, layers) per pipeline stage, one of "
+                                 f"them loading bytes, got {stages!r}")
+            # What vLLM joins of a step's loads (every stage's bytes) is
+            # taken at the heaviest stage's share; what it joins of a
+            # forward pass (the slowest stage's) at the whole model's layers.
+            sizes = [b for b, _ in self._stages]
+            self._load_share = max(sizes) / sum(sizes)
+            self._all_layers = sum(n for _, n in self._stages)
+            self._pass_share = self._all_layers / max(n for _, n in self._stages)
+        self._ends_cache = {}
 
     @property
     def _rate(self):
@@ -173,6 +229,8 @@ class CostModel:
         are ignored."""
         if nbytes <= 0 or seconds <= 0:
             return
+        if self._stages is not None:  # every stage's bytes: the heaviest one's share took the seconds
+            nbytes = nbytes * self._load_share
         with self._lock:
             now = self._rate
             self._learned = now + self.alpha * (nbytes / seconds - now)
@@ -195,6 +253,8 @@ class CostModel:
         modelled = self._modelled(work)
         if seconds <= 0 or modelled < self.MIN_OBSERVED_S:
             return False
+        if self._stages is not None:  # the slowest stage's pass: its share of the model's layers
+            seconds = seconds * self._pass_share
         with self._lock:
             self._scale += self.alpha * (seconds / modelled - self._scale)
             self.compute_observed += 1
@@ -214,6 +274,8 @@ class CostModel:
         """Seconds to load tokens tokens (0 for none)."""
         if tokens <= 0:
             return 0.0
+        if self._stages is not None:  # the stages load in parallel: the heaviest one's
+            return tokens * max(b for b, _ in self._stages) / self._rate + self.load_latency_s
         return tokens * self.bytes_per_token / self._rate + self.load_latency_s
 
     def compute_s(self, total, cached):
@@ -235,6 +297,11 @@ class CostModel:
         jobs, such a mount still moves a layer well within job_s, so it
         returns to layers_per_load at its next load."""
         cap = self.max_layers_per_load
+        if self._stages is not None:  # one size for every stage: its layer the slowest to load
+            if cap <= 1 or tokens <= 0 or self.job_s <= 0:
+                return cap
+            layer_s = tokens * max(b / n for b, n in self._stages if n) / self._rate
+            return 1 if layer_s >= self.job_s else cap
         if cap <= 1 or self.layers <= 1 or tokens <= 0 or self.job_s <= 0:
             return cap
         layer_s = tokens * self.bytes_per_token / self.layers / self._rate
@@ -246,7 +313,7 @@ class CostModel:
         (layers_per_job of job_tokens, by default k - computed) beside the
         computation of tokens k..total."""
         n = k - computed
-        ends = self._ends(n if job_tokens is None else job_tokens) if n > 0 and self.layers > 1 else ()
+        ends = self._ends(n if job_tokens is None else job_tokens) if n > 0 and self._pipelined else ()
         return self._pipeline(total, computed, k, self._rate, self._scale, self.load_latency_s, ends)
 
     def _pipeline(self, total, computed, k, rate, scale, lat, ends):
@@ -258,6 +325,8 @@ class CostModel:
             comp = scale * (self.fixed + self.a * (total - k) + self.b * (float(total) * total - float(k) * k) / 2.0)
         if n <= 0:
             return comp
+        if self._stages is not None:
+            return self._stage_pipeline(n, comp, rate, lat, ends)
         load = n * self.bytes_per_token / rate
         if self.layers <= 1:
             return max(load + lat, comp)
@@ -272,14 +341,51 @@ class CostModel:
         d = pl - pc
         return lat + pc * self.layers + max(d * through + pc * count for through, count in ends)
 
+    @property
+    def _pipelined(self):
+        """Whether TTFT runs the layer groups' pipeline (else the max)."""
+        return self.layers > 1 or self._stages is not None
+
+    def _stage_pipeline(self, n, comp, rate, lat, ends):
+        """TTFT of a load of n tokens beside comp seconds of computation
+        under pipeline stages (ends: per stage, _ends's): one pipeline
+        over the whole model's L layers, stage s's group j arriving at
+        lat + pl_s * through_j and computed after it and the layer before
+        (the previous stage's last for its first): the largest over s and
+        j of
+            lat + pc * L + (pl_s - pc) * through_j + pc * count_j - pc * offset_s
+        where offset_s counts the layers of the stages before s."""
+        pc = comp / self._all_layers
+        worst, offset = None, 0
+        for (b, layers), run in zip(self._stages, ends):
+            if b and layers:
+                d = n * b / rate / layers - pc
+                w = max(d * through + pc * count for through, count in run) - pc * offset
+                worst = w if worst is None or w > worst else worst
+            offset += layers
+        return max(comp, lat + pc * self._all_layers + worst)
+
     def _ends(self, tokens):
         """The (through, count) of the first and last group of each run of
-        equal layer groups of a load of tokens (cached per job size)."""
+        equal layer groups of a load of tokens (cached per job size); per
+        stage under pipeline stages."""
         per = self.layers_per_job(tokens)
+        if self._stages is not None:
+            ends = self._ends_cache.get(per)
+            if ends is None:
+                ends = self._ends_cache[per] = [self._run_ends(n, per) for _, n in self._stages]
+            return ends
         ends = self._ends_cache.get(per)
         if ends is None:
-            ends, through, prev = [], 0, None
-            for _, count in layer_groups(self.layers, per, self.shape):
+            ends = self._ends_cache[per] = self._run_ends(self.layers, per)
+        return ends
+
+    def _run_ends(self, layers, per):
+        """The (through, count) of the first and last group of each run of
+        equal groups of layer_groups(layers, per)."""
+        ends, through, prev = [], 0, None
+        if layers:
+            for _, count in layer_groups(layers, per, self.shape):
                 through += count
                 if count != prev:
                     ends.append((through, count))
@@ -288,7 +394,6 @@ class CostModel:
                 else:
                     ends.append((through, count))
                 prev = count
-            self._ends_cache[per] = ends
         return ends
 
     def split(self, total, computed, hit, chunk):
@@ -309,7 +414,7 @@ class CostModel:
         # Every candidate is priced with the layer groups of the whole
         # hit's load: with groups sized per candidate, the modelled TTFT
         # jumps where the job size changes and is no longer unimodal.
-        ends = self._ends(hi * chunk - computed) if self.layers > 1 else ()
+        ends = self._ends(hi * chunk - computed) if self._pipelined else ()
 
         def ttft(m):  # m boundaries of chunk tokens cached (lo - 1: load nothing)
             t = cache.get(m)
