@@ -155,6 +155,21 @@ class PipelineStagesTest(StagesCase):
         # The two stages' tensors hold different bytes: each loaded its own.
         self.assertNotEqual(want[0][L.format(0)], want[1][L.format(2)])
 
+    def test_a_hybrid_claim_is_priced_by_every_stages_own_groups(self):
+        from kvhost.vllm import _conn_groups as G
+        sched, workers = self.stages(seed=9)  # load_split "auto": the split prices the claim
+        nblk = 4 * BPC + 1
+        src = [list(range(1, 1 + nblk)), list(range(20, 20 + nblk)), list(range(40, 40 + nblk))]
+        self.save_prompt(sched, self.pairs(workers), self.request("a", "pp-priced", nblk), src)
+        sched.get_num_new_matched_tokens(self.request("b", "pp-priced", nblk), 0)
+        hit, want = 4 * CHUNK, []
+        for s, w, _ in workers:  # per stage its groups' bytes of the 4-chunk hit, and its layers
+            gs = G.groups(w._ident)
+            want.append((G.load_bytes(gs, hit, CHUNK) / hit, sum(len(g.layer_names) for g in gs)))
+        self.assertEqual(sched.cost_model.stages, tuple(want))
+        # Stage 1 holds the window's and the Mamba group's layers too.
+        self.assertGreater(want[1][0], want[0][0])
+
     def test_no_stage_loads_another_stages_layers(self):
         sched, workers = self.stages(FULL_STAGES, ("full",), seed=5, load_split="all")
         nblk = 3 * BPC + 1
