@@ -161,11 +161,10 @@ type moveRoom interface {
 }
 
 // moveFiles is what a move asks of the files' life besides removal
-// (remover), temporary files (ownFiles) and opens (headerReader):
-// checking and publishing the copy (spares.go, publish.go) and the
-// policy's events (hits.go).
+// (remover), temporary files (ownFiles) and opens and checks
+// (headerReader): publishing the copy (publish.go) and the policy's
+// events (hits.go).
 type moveFiles interface {
-	rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool
 	publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, left *entry, err error)
 	access(ctx context.Context, recs []abi.AccessRecord)
 }
@@ -737,7 +736,7 @@ func (t *tiering) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, 
 			return nil, nil, fmt.Errorf("engine: move: read %s: %w", en.Path, rerr)
 		}
 	}
-	if t.files.rewrittenUnder(t.mounts[en.Mount], src, h) {
+	if t.hd.rewrittenUnder(t.mounts[en.Mount], src, h) {
 		// Another engine on the directory evicted the source and a store
 		// of it wrote into it (spare files) while it was copied, as a
 		// load checks (loadRound): the copy may hold its header over

@@ -90,8 +90,8 @@ type Engine struct {
 	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
 	clusterRun clusterLoops // loops of the cluster mounts (cluster.go)
 
-	rm     *remover  // dropping entries, removing files (removal.go)
-	shared sharedDir // the cases of a directory other engines share (shared.go)
+	rm     *remover   // dropping entries, removing files (removal.go)
+	shared *sharedDir // the cases of a directory other engines share (shared.go)
 }
 
 // policyPart is the policy the engine calls (a switchPolicy, so that
@@ -192,7 +192,6 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.watch = &mountWatch{cfg: cfg.Mounts, noReuse: cfg.NoReuse, fsync: cfg.Fsync, memory: cfg.Memory, fs: e.fs, log: cfg.Logger, now: cfg.Now, space: e.space}
 	e.ix = index.NewIndex(e.space.Counts())
 	e.rm = &remover{ix: e.ix, fs: e.fs, hd: e.hd, log: e.cfg.Logger, now: e.cfg.Now, host: e}
-	e.shared = sharedDir{e}
 	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.cfg.Now, e.access, DefaultMaxPinnedOpen()
 	e.chk = &checker{fs: e.fs, now: cfg.Now, log: cfg.Logger, ix: e.ix, hd: e.hd, pins: &e.pinTab, rm: e.rm}
 	e.tables = newTables(cfg.MaxNamespaces, e.ix.Counts().Holds)
@@ -255,6 +254,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts
+	e.shared = &sharedDir{nm: e.nm, ix: e.ix, hd: e.hd, rm: e.rm, tables: e.tables, fs: e.fs, mounts: e.mounts, tell: e.access, log: cfg.Logger, now: cfg.Now}
 	if err := e.tables.budgets.checkFloors(ownCapacity(e.mounts, e.space)); err != nil {
 		return nil, fmt.Errorf("engine: %w", err)
 	}
@@ -331,6 +331,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.maker.start()
 	e.tier.start(ctx, e.pol.hitRec, e.maker)
 	e.warm = startWarmer(e.mounts, e.ix, e.hd.openRegular)
+	e.shared.warm = e.warm
 	e.clusterRun.Start(ctx, clusters(e.mounts))
 	ok = true
 	st := e.Stats()

@@ -146,3 +146,15 @@ func (hr *headerReader) fileHeader(mnt int, path string, f fsys.File, id fsys.Id
 	}
 	return hr.raw.rawHeader(m, path, id.Size)
 }
+
+// rewrittenUnder reports whether the file f, whose header h a load (or a
+// move's copy) read before its payload, was rewritten meanwhile (a spare reused by another
+// engine on the directory): its header no longer decodes, or names
+// another file id. Only memory mounts in kvhost's layout keep spares.
+func (hr *headerReader) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
+	if !m.memory || m.raw != nil {
+		return false
+	}
+	now, err := hr.peekHeader(f)
+	return err != nil || now.ID != h.ID
+}

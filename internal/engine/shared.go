@@ -4,10 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"syscall"
+	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/format"
 )
@@ -23,40 +27,55 @@ import (
 // path does next, so that the paths read as the common case.
 
 // sharedDir is the seam: the cases of a directory other engines share.
-type sharedDir struct{ e *Engine }
+// Open sets it once its mounts are open; warm is set once the warmer
+// starts (nil before: discover, its one user, is a request's).
+type sharedDir struct {
+	nm     *namer        // names a key's file (discover)
+	ix     *index.Index  // the entries and the paths jobs hold
+	hd     *headerReader // opens the files and reads their headers
+	rm     *remover      // drops the entries of files gone or replaced
+	tables *tables       // the namespace of an adopted file
+	fs     fsys.FS       // stats a file found before its read was marked
+	mounts []*mount      // the engine's: a cluster mount's purges
+	warm   *warmer       // told of the files discovered; nil where none takes them
+	log    *slog.Logger
+	now    func() time.Time
+	// tell reports events to the policy (Engine.access).
+	tell func(context.Context, []abi.AccessRecord)
+}
 
 // discover looks for key under its policy name and indexes the file if its
 // header says it holds the key in this geometry.
-func (s sharedDir) discover(ctx context.Context, ns *namespace, key []byte) *entry {
-	mounts, paths, errs, err := s.e.nm.names(ctx, ns, [][]byte{key})
+func (s *sharedDir) discover(ctx context.Context, ns *namespace, key []byte) *entry {
+	mounts, paths, errs, err := s.nm.names(ctx, ns, [][]byte{key})
 	if err != nil || errs[0] != nil {
 		return nil
 	}
-	read := s.e.ix.Flights().BeginRead(paths[0])
+	read := s.ix.Flights().BeginRead(paths[0])
 	if read == nil { // held: adopt looks again
 		return nil
 	}
-	defer s.e.ix.Flights().EndRead(paths[0], read)
-	en, err := s.e.hd.readEntry(mounts[0], paths[0])
+	defer s.ix.Flights().EndRead(paths[0], read)
+	en, err := s.hd.readEntry(mounts[0], paths[0])
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
-			s.e.cfg.Logger.Debug("engine: not a match", "path", paths[0], "err", err)
+			s.log.Debug("engine: not a match", "path", paths[0], "err", err)
 		}
 		return nil
 	}
 	if _, err := matchKey(en, ns.fp, key); err != nil {
-		s.e.cfg.Logger.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
+		s.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
 		return nil
 	}
-	if purgedOnCluster(s.e.mounts, s.e.cfg.Now(), en) { // its node removes it at its next interval
-		s.e.cfg.Logger.Debug("engine: file of a purged namespace, written before the purge", "path", paths[0])
+	if purgedOnCluster(s.mounts, s.now(), en) { // its node removes it at its next interval
+		s.log.Debug("engine: file of a purged namespace, written before the purge", "path", paths[0])
 		return nil
 	}
 	got, _ := s.adopt(ctx, en, read)
 	if got == en {
 		// Another process's or node's file, new to the index: its
 		// first load need not go through the pinned buffers.
-		s.e.warm.discovered(en)
+		s.warm.discovered(en)
 	}
 	return got
 }
@@ -76,17 +95,17 @@ var errPathHeld = errors.New("engine: a job of this engine holds the path")
 // or replaced the file. It returns nil and no error where the file is one
 // this engine dropped and could not remove (index.Leaving's left): its keys were
 // deleted or evicted, and stay so.
-func (s sharedDir) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
-	en.NS = uint32(s.e.tables.namespaceOf(en.FP))
-	defer s.e.tables.adoptDone(NamespaceID(en.NS))
-	got, res, recs := s.e.ix.Adopt(en, read)
+func (s *sharedDir) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
+	en.NS = uint32(s.tables.namespaceOf(en.FP))
+	defer s.tables.adoptDone(NamespaceID(en.NS))
+	got, res, recs := s.ix.Adopt(en, read)
 	switch res {
 	case adoptHeld:
 		return nil, errPathHeld
 	case adoptLeft:
 		return nil, nil
 	}
-	s.e.access(ctx, recs)
+	s.tell(ctx, recs)
 	return got, nil
 }
 
@@ -102,13 +121,13 @@ func (s sharedDir) adopt(ctx context.Context, en *entry, read *readMark) (*entry
 // there is the job's to tell) and the stat's error where it failed; with
 // no error where the file was replaced since it was read, or is one this
 // engine dropped (adopt).
-func (s sharedDir) adoptFound(ctx context.Context, found *entry) (*entry, error) {
-	read := s.e.ix.Flights().BeginRead(found.Path)
+func (s *sharedDir) adoptFound(ctx context.Context, found *entry) (*entry, error) {
+	read := s.ix.Flights().BeginRead(found.Path)
 	if read == nil { // held: adopt looks again
 		return nil, errPathHeld
 	}
-	defer s.e.ix.Flights().EndRead(found.Path, read)
-	fi, err := s.e.fs.Stat(found.Path)
+	defer s.ix.Flights().EndRead(found.Path, read)
+	fi, err := s.fs.Stat(found.Path)
 	if err != nil {
 		return nil, err
 	}
@@ -123,7 +142,7 @@ func (s sharedDir) adoptFound(ctx context.Context, found *entry) (*entry, error)
 // regular file, or a link planted in its place, is a miss and its entry
 // goes (counted vanished unless this engine removed it meanwhile: a
 // delete, a purge); any other error fails the keys and keeps the entry.
-func (s sharedDir) vanished(ctx context.Context, en *entry, err error) (Outcome, error) {
+func (s *sharedDir) vanished(ctx context.Context, en *entry, err error) (Outcome, error) {
 	why := "vanished"
 	switch {
 	case errors.Is(err, errNotRegular):
@@ -133,7 +152,7 @@ func (s sharedDir) vanished(ctx context.Context, en *entry, err error) (Outcome,
 	default:
 		return OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.Path, err)
 	}
-	if !s.e.rm.dropVanished(ctx, en, why) {
+	if !s.rm.dropVanished(ctx, en, why) {
 		return OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.Path)
 	}
 	return OutcomeMissing, fmt.Errorf("%w: %w", ErrNotFound, err)
@@ -146,12 +165,12 @@ func (s sharedDir) vanished(ctx context.Context, en *entry, err error) (Outcome,
 // another file of this geometry replaces en in the index (adoptFound) and
 // is what the load reads: the entry returned. A vllm-fs row longer than
 // its length is not this geometry's (error).
-func (s sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *entry, h *format.Header, id fsys.Identity, idErr error) (*entry, error) {
+func (s *sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *entry, h *format.Header, id fsys.Identity, idErr error) (*entry, error) {
 	g := ns.geo
 	if h.Fingerprint != ns.fp || h.Layers != uint32(g.Layers) || h.Planes != uint32(g.Planes()) ||
 		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
 		// Replaced by a file of another geometry: not ours to judge.
-		s.e.rm.dropVanished(ctx, en, "replaced by another geometry")
+		s.rm.dropVanished(ctx, en, "replaced by another geometry")
 		return en, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.Path, format.ErrFingerprint)
 	}
 	if idErr != nil || sameFile(en, id, h) {
@@ -161,8 +180,8 @@ func (s sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *en
 	// the same inode): the entry goes; the file is indexed anew if it
 	// holds what is asked, and read like any file. The removal feed is
 	// told of the keys the new file does not hold, once it is indexed.
-	if s.e.rm.dropReplaced(ctx, en, "replaced") {
-		defer s.e.rm.published(en, removals.Vanished)
+	if s.rm.dropReplaced(ctx, en, "replaced") {
+		defer s.rm.published(en, removals.Vanished)
 	}
 	// A row is exactly its length (rawEntry); a longer file is not this
 	// geometry's row, whatever its first bytes.
@@ -172,7 +191,7 @@ func (s sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *en
 	if id.Size < h.FileLen() {
 		return en, nil // truncated: the load judges it corrupt
 	}
-	found := s.e.hd.entryOf(en.Mount, en.Path, h, id)
+	found := s.hd.entryOf(en.Mount, en.Path, h, id)
 	if got, _ := s.adoptFound(ctx, found); got != nil {
 		return got, nil
 	}
@@ -188,11 +207,11 @@ func (s sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *en
 // the directory evicted it and a store of it wrote into it: spare
 // files); en then goes, and the bytes read may be another key's,
 // checksums or not.
-func (s sharedDir) rewritten(ctx context.Context, en *entry, m *mount, f fsys.File, h *format.Header) bool {
-	if !s.e.rewrittenUnder(m, f, h) {
+func (s *sharedDir) rewritten(ctx context.Context, en *entry, m *mount, f fsys.File, h *format.Header) bool {
+	if !s.hd.rewrittenUnder(m, f, h) {
 		return false
 	}
-	s.e.rm.dropVanished(ctx, en, "rewritten while read")
+	s.rm.dropVanished(ctx, en, "rewritten while read")
 	return true
 }
 
@@ -202,18 +221,18 @@ func (s sharedDir) rewritten(ctx context.Context, en *entry, m *mount, f fsys.Fi
 // eviction since it was found). It is the check before a store answers
 // present. An I/O error other than "not found" is false but keeps the
 // entry.
-func (s sharedDir) confirm(ctx context.Context, en *entry) bool {
-	f, _, err := s.e.hd.openSame(en, os.O_RDONLY)
+func (s *sharedDir) confirm(ctx context.Context, en *entry) bool {
+	f, _, err := s.hd.openSame(en, os.O_RDONLY)
 	if err == nil {
 		f.Close()
-		en.Verified.Store(s.e.cfg.Now().UnixNano())
+		en.Verified.Store(s.now().UnixNano())
 		return true
 	}
 	switch {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
-		s.e.rm.dropVanished(ctx, en, err.Error())
+		s.rm.dropVanished(ctx, en, err.Error())
 	default:
-		s.e.cfg.Logger.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
+		s.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
 	}
 	return false
 }
@@ -226,12 +245,12 @@ func (s sharedDir) confirm(ctx context.Context, en *entry) bool {
 // already holds the key, and every other key in it, some maybe answered
 // present by this very store. The file's keys are indexed again instead.
 // The caller holds the path.
-func (s sharedDir) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) bool {
+func (s *sharedDir) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) bool {
 	if en == nil {
 		return false
 	}
 	if _, err := matchKey(en, fp, key); err != nil || !s.confirm(ctx, en) {
 		return false
 	}
-	return s.e.ix.Files().Relink(en)
+	return s.ix.Files().Relink(en)
 }

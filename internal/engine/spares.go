@@ -217,18 +217,6 @@ func (o *ownFiles) dropSpares(mounts []*mount) {
 	}
 }
 
-// rewrittenUnder reports whether the file f, whose header h a load (or a
-// move's copy) read before its payload, was rewritten meanwhile (a spare reused by another
-// engine on the directory): its header no longer decodes, or names
-// another file id. Only memory mounts in kvhost's layout keep spares.
-func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
-	if !m.memory || m.raw != nil {
-		return false
-	}
-	now, err := e.hd.peekHeader(f)
-	return err != nil || now.ID != h.ID
-}
-
 // keepSpare is ownFiles.keepSpare (removalHost: an eviction keeps its
 // files as spares).
 func (e *Engine) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identity, evicted int64) (bool, string) {
