@@ -59,9 +59,10 @@ type Engine struct {
 	// files, the node lock and the directories mkdir knows (tempfiles.go,
 	// owner.go); hd opens the data files and reads their headers
 	// (headers.go).
-	own *ownFiles
-	hd  *headerReader
-	chk *checker // is an entry's file still the one indexed (checks.go)
+	own  *ownFiles
+	hd   *headerReader
+	vllm *vllmReader // vllm-fs mounts: their base directories and row files (vllmfs.go)
+	chk  *checker    // is an entry's file still the one indexed (checks.go)
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > tables.mu >
@@ -187,7 +188,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.st.fails = &failureLog{log: cfg.Logger, interval: 10 * time.Second}
 	e.fs = fsys.Watched(cfg.FS, &e.busy.io)
-	e.hd = &headerReader{fs: e.fs, now: cfg.Now, raw: e}
+	e.hd = &headerReader{fs: e.fs, now: cfg.Now}
 	e.nm = &namer{}
 	e.watch = &mountWatch{cfg: cfg.Mounts, noReuse: cfg.NoReuse, fsync: cfg.Fsync, memory: cfg.Memory, fs: e.fs, log: cfg.Logger, now: cfg.Now, space: e.space}
 	e.ix = index.NewIndex(e.space.Counts())
@@ -210,6 +211,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			return nil, err
 		}
 	}
+	e.vllm = &vllmReader{fs: e.fs, own: e.own, hd: e.hd, ix: e.ix, rm: e.rm, tables: e.tables, fsync: cfg.Fsync, corrupt: &e.st.corrupt, log: cfg.Logger, now: cfg.Now}
+	e.hd.raw = e.vllm
 	ok := false
 	defer func() {
 		if !ok {
@@ -232,10 +235,10 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		}
 		mt.backend = "staging"
 		if m.VLLMFS != nil {
-			if err := e.openLayout(mt, m.VLLMFS); err != nil {
+			if err := e.vllm.openLayout(mt, m.VLLMFS); err != nil {
 				return nil, err
 			}
-			if other := e.layoutMount(mt.raw.model); other != nil {
+			if other := e.vllm.layoutMount(mt.raw.model); other != nil {
 				return nil, fmt.Errorf("%w: mounts %s and %s: both vllm-fs mounts serve namespace %q", ErrInvalid, other.root, mt.root, mt.raw.model)
 			}
 		} else {
@@ -250,7 +253,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			e.nm.kvMounts++
 		}
 		e.mounts = append(e.mounts, mt)
-		e.hd.mounts, e.nm.mounts, e.watch.mounts = e.mounts, e.mounts, e.mounts
+		e.hd.mounts, e.nm.mounts, e.watch.mounts, e.vllm.mounts = e.mounts, e.mounts, e.mounts, e.mounts
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts

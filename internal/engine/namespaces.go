@@ -81,7 +81,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	fp := g.Fingerprint()
 	mounts := e.nm.kvMounts
-	lm := e.layoutMount(g.Model)
+	lm := e.vllm.layoutMount(g.Model)
 	if lm != nil {
 		// Its files carry no fingerprint: they are the mount's.
 		fp, mounts = lm.raw.fp, len(e.mounts)
@@ -107,7 +107,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	var bind func() ([]*entry, error)
 	if lm != nil {
-		bind = func() ([]*entry, error) { return e.bindLayoutLocked(lm, g) }
+		bind = func() ([]*entry, error) { return e.vllm.bindLayoutLocked(lm, g) }
 	}
 	d, err := e.tables.beginDeclare(g, fp, lm, bind)
 	if err != nil || d.done {
@@ -115,7 +115,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	if len(d.short) > 0 {
 		// Before the namespace is declared: no request finds them.
-		e.dropShort(ctx, lm, d.short)
+		e.vllm.dropShort(ctx, lm, d.short)
 	}
 
 	rec, err := e.pol.Namespace(ctx, g.record(d.id, mounts))

@@ -8,6 +8,7 @@ import (
 	"hash/fnv"
 	"io"
 	"io/fs"
+	"log/slog"
 	"maps"
 	"os"
 	"path/filepath"
@@ -15,10 +16,12 @@ import (
 	"strings"
 	"sync/atomic"
 	"syscall"
+	"time"
 	"unicode/utf8"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/vllmfs"
 )
@@ -110,6 +113,28 @@ func layoutFingerprint(dataDir, model string) uint64 {
 	return h.Sum64()
 }
 
+// vllmReader is the engine's part for vllm-fs mounts: it opens their
+// base directories (openLayout), binds a namespace to a mount
+// (bindLayoutLocked, dropShort) and makes the entries and headers of the
+// row files, which hold none (rawEntry, rawHeader: headerReader's
+// rawFiles). Open sets it before the mounts are opened, and adds each
+// mount to mounts as it opens it.
+type vllmReader struct {
+	fs     fsys.FS
+	mounts []*mount      // the engine's, as Open adds them
+	own    *ownFiles     // the directories made and the temporary files' names
+	hd     *headerReader // opens the row files
+	ix     *index.Index  // the files indexed on a mount (bindLayoutLocked)
+	rm     *remover      // drops the rows cut short (dropShort)
+	tables *tables       // the namespace's geometry, once declared (rawHeader)
+	fsync  bool          // Config.Fsync: config.json is synced as it is written
+	// corrupt counts the rows cut short that dropShort removed (the
+	// engine's Stats.Corrupt).
+	corrupt *atomic.Uint64
+	log     *slog.Logger
+	now     func() time.Time
+}
+
 // openLayout reads or writes the base directory of a vllm-fs mount: with
 // fields, their base directory's config.json must record them (written if
 // absent, or anew if it does not parse: the tier writes it in place, so a
@@ -118,12 +143,12 @@ func layoutFingerprint(dataDir, model string) uint64 {
 // base directory found is adopted. Mismatches are refused with the
 // differing fields named; other base directories whose config.json cannot
 // be used are skipped with a warning.
-func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
+func (vr *vllmReader) openLayout(mt *mount, v *VLLMFS) error {
 	fail := func(err error) error { return fmt.Errorf("%w: mount %s: vllm-fs: %w", ErrInvalid, mt.root, err) }
 	if v.Rank < 0 || v.RowBytes < 0 {
 		return fail(fmt.Errorf("rank %d, row bytes %d: want >= 0", v.Rank, v.RowBytes))
 	}
-	found, listed, err := baseDirs(e.fs, mt.root)
+	found, listed, err := baseDirs(vr.fs, mt.root)
 	if err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
@@ -133,7 +158,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	// can leave it empty or cut): it is no reason not to start.
 	skip := func(name string) {
 		if err := found[name].err; err != nil {
-			e.cfg.Logger.Warn("engine: vllm-fs: skipping a base directory whose config.json cannot be used", "mount", mt.root, "dir", name, "err", err)
+			vr.log.Warn("engine: vllm-fs: skipping a base directory whose config.json cannot be used", "mount", mt.root, "dir", name, "err", err)
 		}
 	}
 	if v.Fields == nil {
@@ -157,7 +182,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 		if listed[base] {
 			flag = syscall.O_NOFOLLOW
 		}
-		dir, c := openBase(e.fs, mt.root, base, flag)
+		dir, c := openBase(vr.fs, mt.root, base, flag)
 		if dir != nil {
 			defer dir.Close()
 		}
@@ -189,21 +214,21 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			if dir == nil {
 				// Made here, so a link at its name now is not the
 				// operator's: it is refused (O_NOFOLLOW).
-				if err := e.own.dirs.mkdir(nil, filepath.Join(mt.root, base), true); err != nil {
+				if err := vr.own.dirs.mkdir(nil, filepath.Join(mt.root, base), true); err != nil {
 					return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 				}
 				var made baseConfig
-				if dir, made = openBase(e.fs, mt.root, base, syscall.O_NOFOLLOW); dir == nil {
+				if dir, made = openBase(vr.fs, mt.root, base, syscall.O_NOFOLLOW); dir == nil {
 					return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, made.err)
 				}
 				defer dir.Close()
 			}
-			if err := e.writeConfig(dir, filepath.Join(mt.root, base), cfg); err != nil {
+			if err := vr.writeConfig(dir, filepath.Join(mt.root, base), cfg); err != nil {
 				return fmt.Errorf("engine: mount %s: vllm-fs: config.json: %w", mt.root, err)
 			}
 		}
 		if ok && c.err != nil {
-			e.cfg.Logger.Warn("engine: vllm-fs: wrote the configured base directory's config.json anew (it did not parse: a crash while the tier wrote it)", "mount", mt.root, "dir", base, "err", c.err)
+			vr.log.Warn("engine: vllm-fs: wrote the configured base directory's config.json anew (it did not parse: a crash while the tier wrote it)", "mount", mt.root, "dir", base, "err", c.err)
 		}
 	}
 	layout, err := vllmfs.NewLayout(cfg, v.Rank)
@@ -215,7 +240,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 		model = defaultNamespace(layout.Base())
 	}
 	data := filepath.Join(mt.root, layout.DataDir())
-	if err := e.own.dirs.mkdir(nil, data, true); err != nil {
+	if err := vr.own.dirs.mkdir(nil, data, true); err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
 	// vLLM's directory is shared: below the data directory (the
@@ -401,41 +426,41 @@ func readSmallAt(files fsys.FS, dir fsys.File, path string) ([]byte, error) {
 // writeConfig publishes cfg's config.json in its base directory, open as
 // dir (openBase) at path (a temporary file, then rename, both relative to
 // dir: never through a link put at path since), as the tier writes it.
-func (e *Engine) writeConfig(dir fsys.File, path string, cfg vllmfs.Config) error {
-	tmp := e.own.tempName(path, tmpPrefix)
-	f, err := fsys.OpenAt(e.fs, dir, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+func (vr *vllmReader) writeConfig(dir fsys.File, path string, cfg vllmfs.Config) error {
+	tmp := vr.own.tempName(path, tmpPrefix)
+	f, err := fsys.OpenAt(vr.fs, dir, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err
 	}
 	data := cfg.JSON()
 	_, err = f.WriteAt(data, 0)
-	if err == nil && e.cfg.Fsync {
+	if err == nil && vr.fsync {
 		err = f.Sync()
 	}
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
 	if err == nil {
-		err = fsys.RenameAt(e.fs, dir, tmp, dir, filepath.Join(path, vllmfs.ConfigFile), false)
+		err = fsys.RenameAt(vr.fs, dir, tmp, dir, filepath.Join(path, vllmfs.ConfigFile), false)
 	}
 	if err != nil {
 		// Counted nowhere, as config.json is not: a removal that fails
 		// is only logged (Open removes the file once this process is
 		// gone).
-		if rerr := fsys.RemoveAt(e.fs, dir, tmp); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
-			e.cfg.Logger.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
+		if rerr := fsys.RemoveAt(vr.fs, dir, tmp); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
+			vr.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
 		}
 		return err
 	}
-	if e.cfg.Fsync {
+	if vr.fsync {
 		return dir.Sync()
 	}
 	return nil
 }
 
 // layoutMount returns the vllm-fs mount serving model, or nil.
-func (e *Engine) layoutMount(model string) *mount {
-	for _, m := range e.mounts {
+func (vr *vllmReader) layoutMount(model string) *mount {
+	for _, m := range vr.mounts {
 		if m.raw != nil && m.raw.model == model {
 			return m
 		}
@@ -454,7 +479,7 @@ func (e *Engine) layoutMount(model string) *mount {
 // length (none of the row's, some not empty), say that the directory
 // holds another geometry: refused. Declare calls it under the tables' lock
 // (tables.beginDeclare).
-func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err error) {
+func (vr *vllmReader) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err error) {
 	fail := func(format string, args ...any) error {
 		return fmt.Errorf("%w: namespace %q on vllm-fs mount %s: "+format, append([]any{ErrInvalid, g.Model, m.root}, args...)...)
 	}
@@ -469,7 +494,7 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err err
 	}
 	want := vllmfs.FileLen(g.KeyBytes())
 	rows, longer, cut, example := 0, 0, 0, ""
-	e.ix.Files().Each(func(en *entry) {
+	vr.ix.Files().Each(func(en *entry) {
 		switch {
 		case en.Mount != m.idx:
 		case en.Size == want:
@@ -498,18 +523,18 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err err
 // found shorter than the row and removes their files (each if it is still
 // the file indexed), counting them corrupt: the tier removes such a row
 // when it reads it, and kvhost never serves one. The caller holds no lock.
-func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
+func (vr *vllmReader) dropShort(ctx context.Context, m *mount, short []*entry) {
 	n := 0
 	for _, en := range short {
-		if e.rm.drop(ctx, en, true, "a vllm-fs row cut short") {
+		if vr.rm.drop(ctx, en, true, "a vllm-fs row cut short") {
 			n++
 		}
 	}
 	if n == 0 {
 		return
 	}
-	e.st.corrupt.Add(uint64(n))
-	e.cfg.Logger.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes.Load(), "e.g.", short[0].Path)
+	vr.corrupt.Add(uint64(n))
+	vr.log.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes.Load(), "e.g.", short[0].Path)
 }
 
 // rawEntry returns an unindexed entry for the row file at path on vllm-fs
@@ -517,13 +542,13 @@ func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
 // row of the layout (vLLM's temporary files, other directories). A row
 // that is a symbolic link, or whose name leads through one below the data
 // directory, is refused (ELOOP, openNoLinks): its bytes are not vLLM's.
-func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
-	m := e.mounts[mnt]
-	key, err := e.rawKey(m, path)
+func (vr *vllmReader) rawEntry(mnt int, path string) (*entry, error) {
+	m := vr.mounts[mnt]
+	key, err := vr.rawKey(m, path)
 	if err != nil {
 		return nil, err
 	}
-	f, id, err := e.hd.openRegular(m, path)
+	f, id, err := vr.hd.openRegular(m, path)
 	if err != nil {
 		return nil, err
 	}
@@ -533,12 +558,12 @@ func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
 		return nil, fmt.Errorf("%w: %s: %d bytes, rows are %d (padded to %d)", ErrMismatch, path, id.Size, row, vllmfs.FileLen(row))
 	}
 	en := &entry{FP: m.raw.fp, Mount: mnt, Path: path, Size: id.Size, Ident: id, Last: id.Mtime, Keys: []string{string(key)}}
-	en.Verified.Store(e.cfg.Now().UnixNano())
+	en.Verified.Store(vr.now().UnixNano())
 	return en, nil
 }
 
 // rawKey is the key of the row file at path on vllm-fs mount m.
-func (e *Engine) rawKey(m *mount, path string) ([]byte, error) {
+func (vr *vllmReader) rawKey(m *mount, path string) ([]byte, error) {
 	rel, err := filepath.Rel(m.root, path)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", vllmfs.ErrKey, path, err)
@@ -550,13 +575,13 @@ func (e *Engine) rawKey(m *mount, path string) ([]byte, error) {
 // (Header.Raw), so it is made from the mount's namespace and the file's
 // name. Before the namespace is declared the geometry is one block of the
 // file's length (only the fingerprint and key are used then).
-func (e *Engine) rawHeader(m *mount, path string, size int64) (*format.Header, error) {
-	key, err := e.rawKey(m, path)
+func (vr *vllmReader) rawHeader(m *mount, path string, size int64) (*format.Header, error) {
+	key, err := vr.rawKey(m, path)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", errReplaced, err)
 	}
 	h := &format.Header{Raw: true, Fingerprint: m.raw.fp, Order: format.OrderLayerMajor, Layers: 1, Planes: 1, BlocksPerKey: 1, BlockBytes: uint64(max(1, size)), Keys: []format.Key{{Key: key}}}
-	if g, ok := e.tables.declaredGeometry(m.raw.fp); ok {
+	if g, ok := vr.tables.declaredGeometry(m.raw.fp); ok {
 		h.Layers, h.Planes, h.BlocksPerKey, h.BlockBytes = uint32(g.Layers), uint32(g.Planes()), uint32(g.BlocksPerKey()), uint64(g.BlockBytes())
 	}
 	return h, nil
