@@ -110,6 +110,43 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, %s", ErrNoSpace, m.root, used, capacity, size, why)
 }
 
+// reclaim makes room on m after a store's write failed with ENOSPC (the
+// file system is fuller than the engine knew: other nodes, other
+// programs): it drops m's spares (they hold pages), refreshes the
+// capacity from statfs, less size, the failed store's reservation,
+// which is still counted as used but holds no bytes there now (its file
+// was removed), and evicts down to it. All under the eviction lock: a
+// running eviction's files, removed but not yet uncounted, would count
+// twice in the capacity (free in statfs, and used), and it would keep
+// spares again right after the trim.
+func (e *Engine) reclaim(ctx context.Context, m *mount, size int64) {
+	m.withEvictLock(func() {
+		e.own.trimSpares(m, true)
+		e.watch.refreshCapacityLess(m, true, size)
+		_, _ = e.evict(ctx, m, 0)
+	})
+}
+
+// withEvictLock runs fn holding m's eviction lock, the first of the
+// engine's locks: no eviction on m runs meanwhile. capacity.go is the
+// one file that takes the lock; others go through here.
+func (m *mount) withEvictLock(fn func()) {
+	m.evictMu.Lock()
+	defer m.evictMu.Unlock()
+	fn()
+}
+
+// ifNotEvicting runs fn holding m's eviction lock where no eviction
+// holds it now, and reports whether it ran fn.
+func (m *mount) ifNotEvicting(fn func()) bool {
+	if !m.evictMu.TryLock() {
+		return false
+	}
+	defer m.evictMu.Unlock()
+	fn()
+	return true
+}
+
 // noRoomFix is what to do where a mount's file system has no room left
 // for kvhost (its free space plus kvhost's files there, less the mount's
 // reserve, is below what kvhost needs): the warning at Open and a store's

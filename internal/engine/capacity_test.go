@@ -827,9 +827,7 @@ func TestAFileSystemFilledByOthersSaysSoInTheNoSpaceError(t *testing.T) {
 				Policy: newTestPolicy(1, 0), FS: disk})
 			disk.foreign = tt.foreign
 			m := e.mounts[0]
-			m.evictMu.Lock()
-			e.watch.refreshCapacity(m, true)
-			m.evictMu.Unlock()
+			m.withEvictLock(func() { e.watch.refreshCapacity(m, true) })
 			err := e.reserveUsed(context.Background(), m, size)
 			if err == nil {
 				t.Fatal("a reservation beyond the capacity succeeded")

@@ -147,10 +147,10 @@ func TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay(t *testing
 	if len(files) != 1 {
 		t.Fatalf("%d data files of D's one store: %v", len(files), files)
 	}
-	evictErr := hold.retireNoneWhile(t, a, files[0], "an eviction", func() error {
-		m.evictMu.Lock()
-		defer m.evictMu.Unlock()
-		_, err := a.evict(ctx, m, 1<<40) // room for more than the mount holds: every victim
+	evictErr := hold.retireNoneWhile(t, a, files[0], "an eviction", func() (err error) {
+		m.withEvictLock(func() {
+			_, err = a.evict(ctx, m, 1<<40) // room for more than the mount holds: every victim
+		})
 		return err
 	})
 	if evictErr != nil {

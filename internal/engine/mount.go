@@ -37,7 +37,8 @@ type mount struct {
 	raw       *rawLayout // a vllm-fs mount; nil for kvhost's layout
 	// evictMu is held by the eviction on the mount (and a store's retry
 	// after ENOSPC); the first of the engine's locks, taken in mount
-	// order (demoteVictim).
+	// order (demoteVictim). Only capacity.go takes it (withEvictLock,
+	// ifNotEvicting for others).
 	evictMu sync.Mutex
 	// heldIdle is when the last round of demoteHeld on the mount moved
 	// no file, or zero; evictMu guards it.

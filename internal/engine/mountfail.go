@@ -119,12 +119,13 @@ func (mw *mountWatch) reprobe() {
 		if f == nil || now.Sub(f.Last) < reprobeAfter || now.Sub(m.probed) < reprobeAfter {
 			continue
 		}
-		if !m.evictMu.TryLock() {
+		var err error
+		if !m.ifNotEvicting(func() {
+			m.probed = now
+			err = mw.takesFiles(m, f.room)
+		}) {
 			continue // an eviction runs there: a store's outcome is on its way
 		}
-		m.probed = now
-		err := mw.takesFiles(m, f.room)
-		m.evictMu.Unlock()
 		if err != nil {
 			mw.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
 			continue

@@ -410,17 +410,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		if !published {
 			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
 				e.cfg.Logger.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
-				// Under the eviction lock: a running eviction's files,
-				// removed but not yet uncounted, would count twice in the
-				// capacity (free in statfs, and used), and it would keep
-				// spares again right after the trim.
-				m.evictMu.Lock()
-				e.own.trimSpares(m, true) // they hold pages
-				// This store's reservation, still counted as used, holds
-				// no bytes there now: its file was removed.
-				e.watch.refreshCapacityLess(m, true, size)
-				_, _ = e.evict(ctx, m, 0)
-				m.evictMu.Unlock()
+				e.reclaim(ctx, m, size)
 				continue
 			}
 			e.unreserve(m, size)
