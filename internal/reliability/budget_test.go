@@ -71,8 +71,14 @@ func TestABudgetFloorHoldsThroughASIGKILLBeforeItsClientReturns(t *testing.T) {
 	d.kill()
 
 	d = startDaemon(t, cfg)
-	over := "engine: files found at start may be evicted again"
-	if !waitFor(ctx, 30*time.Second, 20*time.Millisecond, func() bool { return strings.Contains(d.log.String(), over) }) {
+	// The hold ends after restart_hold, or is never taken where the killed
+	// daemon ran less than restart_hold (a crash loop, as a loaded
+	// machine's quick kill looks): either way the files may be evicted.
+	over := []string{"engine: files found at start may be evicted again", "engine: files found at start are not held"}
+	if !waitFor(ctx, 30*time.Second, 20*time.Millisecond, func() bool {
+		log := d.log.String()
+		return strings.Contains(log, over[0]) || strings.Contains(log, over[1])
+	}) {
 		t.Fatalf("the restart hold did not end within 30 s; log:\n%s", d.log.tail(4000))
 	}
 	storeAll(busy, keys("busy", busyKeys)) // the hold over, the quiet client not back yet
