@@ -265,8 +265,22 @@ class PrefillTimingTest(unittest.TestCase):
         a = C.WorkerMeta(10, 1.0, [1], [(5, 0.2), (6, 0.1)])
         b = C.WorkerMeta(20, 2.0, [2], [(5, 0.3)])
         got = pickle.loads(pickle.dumps(a.aggregate(b)))
-        self.assertEqual((got.nbytes, got.seconds, got.steps), (30, 2.0, (1, 2)))
+        self.assertEqual((got.nbytes, got.seconds, got.steps, got.loaders), (30, 2.0, (1, 2), 2))
         self.assertEqual(got.computes, ((5, 0.3), (6, 0.1)))
+
+    def test_tensor_parallel_ranks_loads_teach_one_workers_rate(self):
+        # Two ranks, each 1 GB in 1 s: the split's rate is one worker's,
+        # 1 GB/s, not the joined bytes' 2 (which over-claimed at TP=2).
+        cls = C.connector_class(NS(KVConnectorBase_V1=None))
+        sched = cls(None, "scheduler", config=offloading_config("/nonexistent", load_rate_alpha=1.0))
+        self.addCleanup(sched.shutdown)
+        one = C.WorkerMeta(10**9, 1.0, [1])
+        joined = pickle.loads(pickle.dumps(one.aggregate(C.WorkerMeta(10**9, 1.0, [1]))))
+        sched.update_connector_output(NS(kv_connector_worker_meta=joined, finished_sending=None))
+        self.assertAlmostEqual(sched.cost_model.load_gbps, 1.0, places=3)
+        sched.update_connector_output(NS(kv_connector_worker_meta=C.WorkerMeta(10**9, 0.5, [2]),
+                                         finished_sending=None))
+        self.assertAlmostEqual(sched.cost_model.load_gbps, 2.0, places=3, msg="one worker alone: its own rate")
 
     def test_a_timed_pass_moves_the_prefill_scale(self):
         cls = C.connector_class(NS(KVConnectorBase_V1=None))

@@ -290,26 +290,29 @@ class WorkerMeta:
     split's load rate, and computes, (step, seconds) of forward passes
     without loads the worker timed, for its prefill model, and latencies,
     the loads' fixed costs (each step's first layer group's time beyond
-    its bytes at the step's rate), for the split's load latency. vLLM
+    its bytes at the step's rate), for the split's load latency; loaders,
+    the workers whose bytes nbytes sums (1 for one that loaded). vLLM
     joins the workers' (aggregate)."""
 
-    def __init__(self, nbytes=0, seconds=0.0, steps=(), computes=(), latencies=()):
+    def __init__(self, nbytes=0, seconds=0.0, steps=(), computes=(), latencies=(), loaders=None):
         self.nbytes, self.seconds, self.steps = int(nbytes), float(seconds), tuple(steps)
         self.computes = tuple((int(s), float(t)) for s, t in computes)
         self.latencies = tuple(float(x) for x in latencies)
+        self.loaders = int(loaders) if loaders is not None else int(self.nbytes > 0)
 
     def aggregate(self, other):
-        """Both workers' bytes, the slower one's time, either's steps, and
-        per step the slower worker's forward pass (ranks run in step)."""
+        """Both workers' bytes and loaders, the slower one's time, either's
+        steps, and per step the slower worker's forward pass (ranks run in
+        step)."""
         computes = dict(self.computes)
         for s, t in other.computes:
             computes[s] = max(t, computes.get(s, 0.0))
         return WorkerMeta(self.nbytes + other.nbytes, max(self.seconds, other.seconds),
                           sorted(set(self.steps) | set(other.steps)), sorted(computes.items()),
-                          self.latencies + other.latencies)
+                          self.latencies + other.latencies, self.loaders + other.loaders)
 
     def __reduce__(self):
-        return (WorkerMeta, (self.nbytes, self.seconds, self.steps, self.computes, self.latencies))
+        return (WorkerMeta, (self.nbytes, self.seconds, self.steps, self.computes, self.latencies, self.loaders))
 
 
 

@@ -437,7 +437,13 @@ class ConnectorScheduler(SchedulerLookups, _Half):
             pins += self._pins.pop(s)[1]
         self._unpin(pins)
         if wm.nbytes:
-            self.cost.observe_load(wm.nbytes, wm.seconds)
+            # One worker's bytes (the split prices one worker's share of a
+            # token): the joined bytes over the workers of one stage that
+            # loaded (tensor-parallel ranks load their shards side by side;
+            # under pipeline stages observe_load takes every stage's sum).
+            stages = len(self.cost.stages or ()) or 1
+            loaders = max(getattr(wm, "loaders", 1) or 1, 1)
+            self.cost.observe_load(wm.nbytes * min(stages, loaders) / loaders, wm.seconds)
             self._stats["load_measurements"] += 1
         for latency in getattr(wm, "latencies", ()):
             self.cost.observe_latency(latency)
