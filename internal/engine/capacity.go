@@ -3,13 +3,49 @@ package engine
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
 )
+
+// capacity is the part that owns the room on the mounts a store or a
+// move takes: a reservation (reserve) below the high watermark and, on a
+// cluster mount, within the cluster's bound, evicting where there is
+// none, within the budgets' floors, and demoting what the restart hold
+// pins; and the eviction lock each mount's eviction holds. The store
+// calls reserve, unreserve and reclaim; a move between mounts reserves
+// through moveRoom; a cluster mount's purge removes its files through
+// evictAll. Open builds it before tiering, which moves through it; tier
+// and hold are set once they are built, hits and maker once they start
+// (nil before).
+type capacity struct {
+	ix     *index.Index // the entries the policy's victims name
+	space  *space.Space // the room on every mount
+	watch  *mountWatch  // refreshes a mount's capacity; whether it keeps spares
+	own    *ownFiles    // trims a mount's spares
+	rm     *remover     // removes the evicted files
+	tables *tables      // the budgets' floors (budgetRound)
+	fs     fsys.FS      // statfs, for why a file exceeds the capacity
+	tier   *tiering     // the policy's victims and the demotions among them
+	hold   *restartHold // demotes held files; counts them for ErrNoSpace
+	hits   *hitRecorder // flushed before the policy ranks victims; nil before start
+	maker  *spareMaker  // woken by room given back; nil before start
+	// waits counts the reservations that found no room (Stats.EvictWaits),
+	// evictions the files evicted (Stats.Evictions).
+	waits     *atomic.Int64
+	evictions *atomic.Uint64
+	// tell reports events to the policy (Engine.access).
+	tell func(context.Context, []abi.AccessRecord)
+	log  *slog.Logger
+	now  func() time.Time
+}
 
 // victimBatch is the most victims asked of the policy at once.
 const victimBatch = 256
@@ -19,15 +55,15 @@ const victimBatch = 256
 // cannot fit within the capacity even after eviction. The capacity is
 // refreshed from statfs (at most once a second) before the engine evicts
 // for a store, so that space freed on the file system counts.
-func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
-	if err := e.reserveUsed(ctx, m, size); err != nil {
+func (c *capacity) reserve(ctx context.Context, m *mount, size int64) error {
+	if err := c.reserveUsed(ctx, m, size); err != nil {
 		return err
 	}
 	// Spares are free space that holds pages: the new file must fit
 	// beside them (a store may then reuse one; a move between mounts
 	// writes a fresh file).
-	if e.watch.spareEligible(m) {
-		e.own.trimSpares(m, false)
+	if c.watch.spareEligible(m) {
+		c.own.trimSpares(m, false)
 	}
 	return nil
 }
@@ -37,70 +73,70 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 // and, on a cluster mount, within this node's claim (never raising it,
 // which may evict there), and trims m's spares as reserve does. It fails
 // with ErrNoSpace where there is no such room.
-func (e *Engine) reserveFree(m *mount, size int64) error {
-	c := m.cluster
-	if c != nil && !c.ReserveClaimed(size) {
+func (c *capacity) reserveFree(m *mount, size int64) error {
+	cl := m.cluster
+	if cl != nil && !cl.ReserveClaimed(size) {
 		return fmt.Errorf("%w: mount %s: no room within this node's cluster claim for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
 	var ok bool
-	if c != nil {
-		if ok = c.ReserveGrant(size, space.High); !ok {
-			c.GiveBack(size)
+	if cl != nil {
+		if ok = cl.ReserveGrant(size, space.High); !ok {
+			cl.GiveBack(size)
 		}
 	} else {
-		ok = e.space.ReserveBelow(m.sp, size, space.High)
+		ok = c.space.ReserveBelow(m.sp, size, space.High)
 	}
 	if !ok {
 		return fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
-	if e.watch.spareEligible(m) {
-		e.own.trimSpares(m, false)
+	if c.watch.spareEligible(m) {
+		c.own.trimSpares(m, false)
 	}
 	return nil
 }
 
 // reserveUsed is reserve without the spares.
-func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err error) {
-	reserve := func(limit space.Limit) bool { return e.space.ReserveBelow(m.sp, size, limit) }
-	if c := m.cluster; c != nil { // the cluster-wide bound first (cluster.go)
-		if err := c.Reserve(ctx, size); err != nil {
+func (c *capacity) reserveUsed(ctx context.Context, m *mount, size int64) (err error) {
+	reserve := func(limit space.Limit) bool { return c.space.ReserveBelow(m.sp, size, limit) }
+	if cl := m.cluster; cl != nil { // the cluster-wide bound first (cluster.go)
+		if err := cl.Reserve(ctx, size); err != nil {
 			return clusterNoSpace(err)
 		}
 		// The mount's space takes the grant, or it goes back.
-		reserve = func(limit space.Limit) bool { return c.ReserveGrant(size, limit) }
+		reserve = func(limit space.Limit) bool { return cl.ReserveGrant(size, limit) }
 		defer func() {
 			if err != nil {
-				c.GiveBack(size)
+				cl.GiveBack(size)
 			}
 		}()
 	}
 	if reserve(space.High) {
 		return nil
 	}
-	e.st.evictWaits.Add(1)
+	c.waits.Add(1)
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
-	e.watch.refreshCapacity(m, false)
+	c.watch.refreshCapacity(m, false)
 	if reserve(space.High) { // another store evicted meanwhile
 		return nil
 	}
-	if _, capacity := e.space.Usage(m.sp); size > capacity {
-		return e.exceedsCapacity(m, size, capacity)
+	if _, capacity := c.space.Usage(m.sp); size > capacity {
+		return c.exceedsCapacity(m, size, capacity)
 	}
-	note, stopped := e.evict(ctx, m, size)
+	note, stopped := c.evict(ctx, m, size)
 	if reserve(space.Capacity) {
 		return nil
 	}
 	if stopped != nil {
 		return stopped // the caller gave up while files were evicted
 	}
-	used, capacity := e.space.Usage(m.sp)
+	used, capacity := c.space.Usage(m.sp)
 	why := "no evictable entry left"
-	if n := e.HeldFound(); n > 0 {
+	if n := c.hold.held(); n > 0 {
 		why = fmt.Sprintf("no evictable entry left (%d files found at start are kept by the restart hold, restart_hold, until it ends)", n)
 	}
-	if c := m.cluster; c != nil {
-		if twin := c.TwinNote(); twin != "" {
+	if cl := m.cluster; cl != nil {
+		if twin := cl.TwinNote(); twin != "" {
 			why = twin
 		}
 	}
@@ -119,11 +155,11 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 // running eviction's files, removed but not yet uncounted, would count
 // twice in the capacity (free in statfs, and used), and it would keep
 // spares again right after the trim.
-func (e *Engine) reclaim(ctx context.Context, m *mount, size int64) {
+func (c *capacity) reclaim(ctx context.Context, m *mount, size int64) {
 	m.withEvictLock(func() {
-		e.own.trimSpares(m, true)
-		e.watch.refreshCapacityLess(m, true, size)
-		_, _ = e.evict(ctx, m, 0)
+		c.own.trimSpares(m, true)
+		c.watch.refreshCapacityLess(m, true, size)
+		_, _ = c.evict(ctx, m, 0)
 	})
 }
 
@@ -157,13 +193,13 @@ const noRoomFix = "free space on the file system, or lower the mount's reserve b
 // m's capacity, capacity. Where the file system cut the capacity below
 // the configured one (other programs filled it), the error says so and
 // what to do: the configured capacity is not what is at fault.
-func (e *Engine) exceedsCapacity(m *mount, size, capacity int64) error {
+func (c *capacity) exceedsCapacity(m *mount, size, capacity int64) error {
 	err := fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
 	configured, reserve, _ := m.sp.Configured()
 	if configured > 0 && capacity >= configured {
 		return err // the configured capacity itself is too small
 	}
-	st, serr := e.fs.Statfs(m.root)
+	st, serr := c.fs.Statfs(m.root)
 	if serr != nil || st.Total == 0 {
 		return err // no word from the file system on its room
 	}
@@ -177,8 +213,8 @@ func (e *Engine) exceedsCapacity(m *mount, size, capacity int64) error {
 
 // unreserve gives back a reservation of size bytes on m that no file took
 // (a store or a move failed), and wakes the spare maker for the room.
-func (e *Engine) unreserve(m *mount, size int64) {
-	e.maker.wake(e.space.Unreserve(m.sp, size)) // room for spares made ahead
+func (c *capacity) unreserve(m *mount, size int64) {
+	c.maker.wake(c.space.Unreserve(m.sp, size)) // room for spares made ahead
 }
 
 // evict removes policy-chosen victims on m until usage plus size is at or
@@ -191,43 +227,43 @@ func (e *Engine) unreserve(m *mount, size int64) {
 // policy told. m.evictMu is held. note says why files the policy
 // offered were left: the budgets' floors that kept them
 // (budgetRound.floorNote), or "".
-func (e *Engine) evict(ctx context.Context, m *mount, size int64) (note string, err error) {
-	note, err = e.evictRounds(ctx, m, size)
+func (c *capacity) evict(ctx context.Context, m *mount, size int64) (note string, err error) {
+	note, err = c.evictRounds(ctx, m, size)
 	if err != nil {
 		return note, err
 	}
-	return note, e.hold.demote(ctx, m, size)
+	return note, c.hold.demote(ctx, m, size)
 }
 
 // evictRounds is evict without demoteHeld. With budgets (budget.go), a
 // round asks the policy for up to victimBatch victims whatever their
 // bytes, and takes first those of namespaces over their budget, then any
 // other that leaves every floor kept, each pass in the policy's order.
-func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) (note string, _ error) {
+func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note string, _ error) {
 	stopped := func() error {
 		return fmt.Errorf("engine: mount %s: eviction stopped: %w", m.root, ctx.Err())
 	}
-	e.rm.retryLeft(m) // files whose removal failed first: no one's data
+	c.rm.retryLeft(m) // files whose removal failed first: no one's data
 	for round := 0; round < 16; round++ {
 		// Orphans are on their way out (flight.go): room enough below the
 		// low watermark without them, unless the file would not fit
 		// beside them below the capacity.
-		need := e.space.Need(m.sp, size)
+		need := c.space.Need(m.sp, size)
 		if need <= 0 {
 			return note, nil
 		}
 		if ctx.Err() != nil {
 			return note, stopped() // no file is deleted for a caller that gave up
 		}
-		if e.pol.hitRec != nil {
-			e.pol.hitRec.flush() // rank with every hit reported so far
+		if c.hits != nil {
+			c.hits.flush() // rank with every hit reported so far
 		}
-		req := abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.cfg.Now().UnixNano()), Mount: uint32(m.idx)}
-		br := e.tables.budgetRound(e.ix.Counts().ByFingerprint)
+		req := abi.EvictRequest{Bytes: uint64(need), Time: uint64(c.now().UnixNano()), Mount: uint32(m.idx)}
+		br := c.tables.budgetRound(c.ix.Counts().ByFingerprint)
 		passes := []int{passAny}
 		if br != nil {
 			// More victims than the room needs: some may be kept.
-			used, _ := e.space.Usage(m.sp)
+			used, _ := c.space.Usage(m.sp)
 			req.Bytes, passes = uint64(max(need, used)), []int{passOver, passAny}
 		}
 		var victims []policy.Eviction
@@ -235,10 +271,10 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) (note st
 		if m.cluster != nil {
 			victims = m.cluster.Victims(req, victimBatch) // never another live node's file
 		} else {
-			victims, err = e.tier.evictions(context.WithoutCancel(ctx), req)
+			victims, err = c.tier.evictions(context.WithoutCancel(ctx), req)
 		}
 		if err != nil {
-			e.cfg.Logger.Warn("engine: policy victims", "mount", m.root, "err", err)
+			c.log.Warn("engine: policy victims", "mount", m.root, "err", err)
 			return note, nil
 		}
 		var freed int64
@@ -262,7 +298,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) (note st
 					if pass != passAny {
 						continue // the key stays: not the budget's room
 					}
-					n, del := e.tier.demoteVictim(ctx, m, v)
+					n, del := c.tier.demoteVictim(ctx, m, v)
 					freed += n
 					if !del {
 						continue
@@ -272,27 +308,27 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) (note st
 				// meanwhile waits, and its new file is never removed. The
 				// file counts as used until evictAll (or the path's holder)
 				// has removed it, or kept it as a spare.
-				en, c, rec, ok := e.ix.EvictID(v.Entry, func(en *entry) bool {
+				en, claim, rec, ok := c.ix.EvictID(v.Entry, func(en *entry) bool {
 					return en.Mount == m.idx && m.mayEvict(en) && br.pick(pass, en.FP, en.Size)
-				}, e.cfg.Now().UnixNano())
+				}, c.now().UnixNano())
 				if !ok {
 					continue
 				}
 				taken[i] = true
-				if c {
+				if claim {
 					claimed = append(claimed, en)
 				}
 				recs = append(recs, rec)
 				freed += en.Size
-				e.st.evictions.Add(1)
+				c.evictions.Add(1)
 			}
 		}
 		br.done()
 		if n := br.floorNote(); n != "" {
 			note = n
 		}
-		e.evictAll(claimed)
-		e.access(ctx, recs)
+		c.evictAll(claimed)
+		c.tell(ctx, recs)
 		if stop != nil {
 			return note, stop
 		}
@@ -312,7 +348,7 @@ const evictWorkers = 8
 // once: each file is a few system calls (open, fstat, a header read,
 // close, then a rename or an unlink), and the stores that need the room
 // wait for all of them.
-func (e *Engine) evictAll(ens []*entry) {
+func (c *capacity) evictAll(ens []*entry) {
 	var next atomic.Int64
 	var wg sync.WaitGroup
 	for range min(evictWorkers, len(ens)) {
@@ -320,7 +356,7 @@ func (e *Engine) evictAll(ens []*entry) {
 		go func() {
 			defer wg.Done()
 			for i := next.Add(1) - 1; i < int64(len(ens)); i = next.Add(1) - 1 {
-				e.rm.evictClaimed(ens[i])
+				c.rm.evictClaimed(ens[i])
 			}
 		}()
 	}

@@ -757,9 +757,9 @@ func fillWithoutEviction(t *testing.T, e *Engine, g Geometry, prefix string, n i
 // error; what names the reservation in the failure.
 func wantReserveStopped(t *testing.T, e *Engine, ctx context.Context, m *mount, size int64, what string) {
 	t.Helper()
-	err := e.reserve(ctx, m, size)
+	err := e.capacity.reserve(ctx, m, size)
 	if err == nil {
-		e.unreserve(m, size)
+		e.capacity.unreserve(m, size)
 	}
 	if !errors.Is(err, context.Canceled) {
 		t.Errorf("%s: %v, want context.Canceled", what, err)
@@ -828,7 +828,7 @@ func TestAFileSystemFilledByOthersSaysSoInTheNoSpaceError(t *testing.T) {
 			disk.foreign = tt.foreign
 			m := e.mounts[0]
 			m.withEvictLock(func() { e.watch.refreshCapacity(m, true) })
-			err := e.reserveUsed(context.Background(), m, size)
+			err := e.capacity.reserveUsed(context.Background(), m, size)
 			if err == nil {
 				t.Fatal("a reservation beyond the capacity succeeded")
 			}

@@ -134,7 +134,7 @@ func (h clusterHost) Access(ctx context.Context, recs []abi.AccessRecord) { h.e.
 // tells the policy of them.
 func (h clusterHost) Evicted(ctx context.Context, claimed []*index.Entry, recs []abi.AccessRecord) {
 	h.e.st.evictions.Add(uint64(len(recs)))
-	h.e.evictAll(claimed)
+	h.e.capacity.evictAll(claimed)
 	h.e.access(ctx, recs)
 }
 

@@ -675,10 +675,10 @@ func TestClusterCountsReservedAndGrantedBytesOnceEach(t *testing.T) {
 			ctx := context.Background()
 			n := clusterNode(t, t.TempDir(), "a", 1<<30, time.Hour)
 			m := n.e.mounts[0]
-			if err := n.e.reserveUsed(ctx, m, s); err != nil { // granted, reserved
+			if err := n.e.capacity.reserveUsed(ctx, m, s); err != nil { // granted, reserved
 				t.Fatal(err)
 			}
-			t.Cleanup(func() { n.e.unreserve(m, s) })
+			t.Cleanup(func() { n.e.capacity.unreserve(m, s) })
 			if err := m.cluster.Reserve(ctx, s); err != nil { // granted only
 				t.Fatal(err)
 			}

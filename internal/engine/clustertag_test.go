@@ -149,7 +149,7 @@ func TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay(t *testing
 	}
 	evictErr := hold.retireNoneWhile(t, a, files[0], "an eviction", func() (err error) {
 		m.withEvictLock(func() {
-			_, err = a.evict(ctx, m, 1<<40) // room for more than the mount holds: every victim
+			_, err = a.capacity.evict(ctx, m, 1<<40) // room for more than the mount holds: every victim
 		})
 		return err
 	})

@@ -173,7 +173,7 @@ type moveFiles interface {
 func newTiering(e *Engine) *tiering {
 	t := &tiering{
 		log: e.cfg.Logger, now: e.cfg.Now, ix: e.ix, space: e.space, mounts: e.mounts, kvMounts: e.nm.kvMounts,
-		slots: &e.mv.slots, room: e, files: e, hd: e.hd, watch: e.watch, rm: e.rm, own: e.own, bufs: new(buffers), shared: e.shared,
+		slots: &e.mv.slots, room: e.capacity, files: e, hd: e.hd, watch: e.watch, rm: e.rm, own: e.own, bufs: new(buffers), shared: e.shared,
 		tickEvery: e.cfg.TickInterval, updateEvery: e.cfg.MountUpdateInterval,
 	}
 	if t.tickEvery == 0 {

@@ -493,7 +493,7 @@ func TestDedupeCountsACopyItCouldNotRemove(t *testing.T) {
 		t.Fatal("no file left on disk")
 	}
 	failing.Store(false)
-	_, _ = e.evict(ctx, e.mounts[dropped], 0) // tries the files left first
+	_, _ = e.capacity.evict(ctx, e.mounts[dropped], 0) // tries the files left first
 	if len(dataFiles(t, hot))+len(dataFiles(t, cold)) != 1 || e.Stats().Mounts[dropped].Used != 0 {
 		t.Fatalf("after an eviction: files hot %v, cold %v, used %d; want the copy left removed",
 			dataFiles(t, hot), dataFiles(t, cold), e.Stats().Mounts[dropped].Used)

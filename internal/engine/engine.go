@@ -43,7 +43,8 @@ const (
 //     headers.go, checks.go, mount.go;
 //   - room: spares.go, owner.go (whose spares are live), ahead.go,
 //     warm.go, drop.go, publish.go, cluster.go (cluster-wide capacity),
-//     capacity.go and demote.go;
+//     capacity.go (the capacity part: reservations, eviction) and
+//     demote.go;
 //   - requests: namespaces.go, caches.go, lookup.go, pins.go, store.go,
 //     load.go, delete.go;
 //   - life: recover.go, hold.go, reload.go, engine.go.
@@ -91,8 +92,9 @@ type Engine struct {
 	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
 	clusterRun clusterLoops // loops of the cluster mounts (cluster.go)
 
-	rm     *remover   // dropping entries, removing files (removal.go)
-	shared *sharedDir // the cases of a directory other engines share (shared.go)
+	rm       *remover   // dropping entries, removing files (removal.go)
+	capacity *capacity  // reservations, eviction, the eviction lock (capacity.go)
+	shared   *sharedDir // the cases of a directory other engines share (shared.go)
 }
 
 // policyPart is the policy the engine calls (a switchPolicy, so that
@@ -261,8 +263,11 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err := e.tables.budgets.checkFloors(ownCapacity(e.mounts, e.space)); err != nil {
 		return nil, fmt.Errorf("engine: %w", err)
 	}
+	e.capacity = &capacity{ix: e.ix, space: e.space, watch: e.watch, own: e.own, rm: e.rm, tables: e.tables, fs: e.fs,
+		waits: &e.st.evictWaits, evictions: &e.st.evictions, tell: e.access, log: cfg.Logger, now: cfg.Now}
 	e.tier = newTiering(e)
 	e.hold = newRestartHold(e)
+	e.capacity.tier, e.capacity.hold = e.tier, e.hold
 	const bufSize = 4 << 20
 	host, err := cfg.Host(HostSpec{
 		Workers:    cfg.IOWorkers,
@@ -322,6 +327,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	// Before any access event: the restart hold's release may come from
 	// a timer while Open still runs.
 	e.pol.hitRec = newHitRecorder(e, newAccessLog(e.ix, e.fs, cfg.Logger, writableAccessPaths(e.mounts, e.own.node)))
+	e.capacity.hits = e.pol.hitRec
 	e.access(ctx, e.ix.Files().Records(abi.AccessRestore)) // the policy told of every indexed entry
 	// Before the cluster's first count, which may evict this node's files.
 	e.hold.start(ctx, cfg.RestartHold)
@@ -331,6 +337,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e.maker = newSpareMaker(e.space, e.mounts, e.mv.slots.busy, e.own, &e.st.made, e.cfg.Logger)
+	e.capacity.maker = e.maker
 	e.maker.start()
 	e.tier.start(ctx, e.pol.hitRec, e.maker)
 	e.warm = startWarmer(e.mounts, e.ix, e.hd.openRegular)

@@ -107,7 +107,7 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 		reserved, sf, work = step(true)
 	}
 	if !reserved {
-		if err := e.reserve(ctx, m, size); err != nil {
+		if err := e.capacity.reserve(ctx, m, size); err != nil {
 			return spareFile{}, err
 		}
 		_, sf, work = step(false)
@@ -410,10 +410,10 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		if !published {
 			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
 				e.cfg.Logger.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
-				e.reclaim(ctx, m, size)
+				e.capacity.reclaim(ctx, m, size)
 				continue
 			}
-			e.unreserve(m, size)
+			e.capacity.unreserve(m, size)
 		}
 		return err
 	}
@@ -505,7 +505,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		if left != nil {
 			e.ix.Leaving().Leave(left, gr.path) // the reservation counts the file left
 		} else {
-			e.unreserve(m, size) // the file was removed again
+			e.capacity.unreserve(m, size) // the file was removed again
 		}
 		if gr.old != nil {
 			// The rename replaced the old file: it is gone, with any
