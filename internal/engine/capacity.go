@@ -19,12 +19,14 @@ import (
 // move takes: a reservation (reserve) below the high watermark and, on a
 // cluster mount, within the cluster's bound, evicting where there is
 // none, within the budgets' floors, and demoting what the restart hold
-// pins; and the eviction lock each mount's eviction holds. The store
-// calls reserve, unreserve and reclaim; a move between mounts reserves
-// through moveRoom; a cluster mount's purge removes its files through
-// evictAll. Open builds it before tiering, which moves through it; tier
-// and hold are set once they are built, hits and maker once they start
-// (nil before).
+// pins; and the eviction lock each mount's eviction holds. A store
+// reserves through reserveFile alone (room, evicting and demoting as
+// needed, and a spare to write into), gives back what no file took
+// (unreserve) and makes room after ENOSPC (reclaim); a move between
+// mounts reserves through moveRoom; a cluster mount's purge removes its
+// files through evictAll. Open builds it before tiering, which moves
+// through it; tier and hold are set once they are built, hits and maker
+// once they start (nil before).
 type capacity struct {
 	ix     *index.Index // the entries the policy's victims name
 	space  *space.Space // the room on every mount
@@ -36,7 +38,7 @@ type capacity struct {
 	tier   *tiering     // the policy's victims and the demotions among them
 	hold   *restartHold // demotes held files; counts them for ErrNoSpace
 	hits   *hitRecorder // flushed before the policy ranks victims; nil before start
-	maker  *spareMaker  // woken by room given back; nil before start
+	maker  *spareMaker  // told of the stores' sizes, woken by room freed; nil before start
 	// waits counts the reservations that found no room (Stats.EvictWaits),
 	// evictions the files evicted (Stats.Evictions).
 	waits     *atomic.Int64
@@ -66,6 +68,56 @@ func (c *capacity) reserve(ctx context.Context, m *mount, size int64) error {
 		c.own.trimSpares(m, false)
 	}
 	return nil
+}
+
+// reserveFile reserves size bytes on m for a store's file of namespace ns
+// (reserve) and, where m keeps spares, takes one of exactly that size for
+// it (none: the zero spareFile) and records the size for the spares made
+// ahead (spareMaker.want, with full). In the common case, a reservation
+// below the high watermark with the spares still fitting beside it, that
+// is one hold of the space's lock (and, where m makes spares ahead, a
+// shared hold of the engine's, for the namespace): every store takes it,
+// and many short holds queue 2 MiB stores on many jobs (RATIONALE.md,
+// "Why does a store take the engine's lock as few times as it can?").
+func (c *capacity) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size int64, full bool) (spareFile, error) {
+	spares := c.watch.spareEligible(m)
+	ahead := spares && c.maker != nil && m.sp.MakesAhead()
+	// step is the reservation's step in the space (space.StoreReserve):
+	// with fast, a reservation below the high watermark, or nothing. The
+	// reservation is activity too: the maker's quiet period starts after
+	// it, so a burst it ends has ended.
+	step := func(fast bool) (reserved bool, sf spareFile, work bool) {
+		var burst int64
+		if ahead && m.sp.FollowsBursts() {
+			burst = time.Now().UnixNano()
+		}
+		reserve := func(declared bool) {
+			reserved, sf, work = c.space.StoreReserve(m.sp, size, fast, spares, burst, c.maker.want(m, ns, declared, full))
+		}
+		if ahead {
+			c.tables.whileDeclared(ns, reserve) // want reads the namespace
+		} else {
+			reserve(false)
+		}
+		if reserved && burst != 0 {
+			c.maker.activeAt(burst)
+		}
+		return reserved, sf, work
+	}
+	reserved := false
+	var sf spareFile
+	var work bool
+	if m.cluster == nil { // a cluster mount claims first (cluster.go)
+		reserved, sf, work = step(true)
+	}
+	if !reserved {
+		if err := c.reserve(ctx, m, size); err != nil {
+			return spareFile{}, err
+		}
+		_, sf, work = step(false)
+	}
+	c.maker.wake(work)
+	return sf, nil
 }
 
 // reserveFree is reserve without evicting, for a move to an earlier mount

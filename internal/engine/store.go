@@ -8,7 +8,6 @@ import (
 	"slices"
 	"sync"
 	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -64,56 +63,6 @@ type group struct {
 	// written at path and copied there once published (demote.go,
 	// retarget).
 	toObjects bool
-}
-
-// reserveFile reserves size bytes on m for a store's file of namespace ns
-// (reserve) and, where m keeps spares, takes one of exactly that size for
-// it (none: the zero spareFile) and records the size for the spares made
-// ahead (spareMaker.want, with full). In the common case, a reservation
-// below the high watermark with the spares still fitting beside it, that
-// is one hold of the space's lock (and, where m makes spares ahead, a
-// shared hold of the engine's, for the namespace): every store takes it,
-// and many short holds queue 2 MiB stores on many jobs (RATIONALE.md,
-// "Why does a store take the engine's lock as few times as it can?").
-func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size int64, full bool) (spareFile, error) {
-	spares := e.watch.spareEligible(m)
-	ahead := spares && e.maker != nil && m.sp.MakesAhead()
-	// step is the reservation's step in the space (space.StoreReserve):
-	// with fast, a reservation below the high watermark, or nothing. The
-	// reservation is activity too: the maker's quiet period starts after
-	// it, so a burst it ends has ended.
-	step := func(fast bool) (reserved bool, sf spareFile, work bool) {
-		var burst int64
-		if ahead && m.sp.FollowsBursts() {
-			burst = time.Now().UnixNano()
-		}
-		reserve := func(declared bool) {
-			reserved, sf, work = e.space.StoreReserve(m.sp, size, fast, spares, burst, e.maker.want(m, ns, declared, full))
-		}
-		if ahead {
-			e.tables.whileDeclared(ns, reserve) // want reads the namespace
-		} else {
-			reserve(false)
-		}
-		if reserved && burst != 0 {
-			e.maker.activeAt(burst)
-		}
-		return reserved, sf, work
-	}
-	reserved := false
-	var sf spareFile
-	var work bool
-	if m.cluster == nil { // a cluster mount claims first (cluster.go)
-		reserved, sf, work = step(true)
-	}
-	if !reserved {
-		if err := e.capacity.reserve(ctx, m, size); err != nil {
-			return spareFile{}, err
-		}
-		_, sf, work = step(false)
-	}
-	e.maker.wake(work)
-	return sf, nil
 }
 
 // maxStoreRounds bounds how many times a store waits for another job that
@@ -397,7 +346,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	// A file of a whole group of keys is the size later stores most
 	// likely write (a job's last file may hold fewer).
 	full := len(gr.idx) >= c.ns.keysPerFile
-	spare, err := e.reserveFile(ctx, m, c.ns.id, size, full)
+	spare, err := e.capacity.reserveFile(ctx, m, c.ns.id, size, full)
 	if err != nil {
 		return err
 	}
