@@ -23,8 +23,8 @@ import (
 // reserves through reserveFile alone (room, evicting and demoting as
 // needed, and a spare to write into), gives back what no file took
 // (unreserve) and makes room after ENOSPC (reclaim); a move between
-// mounts reserves through moveRoom; a cluster mount's purge removes its
-// files through evictAll. Open builds it before tiering, which moves
+// mounts reserves through moveRoom; a cluster mount's eviction ends its
+// rounds through evicted. Open builds it before tiering, which moves
 // through it; tier and hold are set once they are built, hits and maker
 // once they start (nil before).
 type capacity struct {
@@ -372,15 +372,13 @@ func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note 
 				}
 				recs = append(recs, rec)
 				freed += en.Size
-				c.evictions.Add(1)
 			}
 		}
 		br.done()
 		if n := br.floorNote(); n != "" {
 			note = n
 		}
-		c.evictAll(claimed)
-		c.tell(ctx, recs)
+		c.evicted(ctx, claimed, recs)
 		if stop != nil {
 			return note, stop
 		}
@@ -389,6 +387,15 @@ func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note 
 		}
 	}
 	return note, nil
+}
+
+// evicted ends a round of eviction, here (evictRounds) or a cluster
+// mount's (clusterHost.Evicted): it counts the evictions of recs, removes
+// the files of claimed (evictAll) and tells the policy of recs.
+func (c *capacity) evicted(ctx context.Context, claimed []*entry, recs []abi.AccessRecord) {
+	c.evictions.Add(uint64(len(recs)))
+	c.evictAll(claimed)
+	c.tell(ctx, recs)
 }
 
 // evictWorkers is the most evicted files one eviction removes (or keeps

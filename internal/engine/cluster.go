@@ -133,9 +133,7 @@ func (h clusterHost) Access(ctx context.Context, recs []abi.AccessRecord) { h.e.
 // Evicted removes the files of claimed, counts the evictions of recs and
 // tells the policy of them.
 func (h clusterHost) Evicted(ctx context.Context, claimed []*index.Entry, recs []abi.AccessRecord) {
-	h.e.st.evictions.Add(uint64(len(recs)))
-	h.e.capacity.evictAll(claimed)
-	h.e.access(ctx, recs)
+	h.e.capacity.evicted(ctx, claimed, recs)
 }
 
 // Clustered reports whether mount has a cluster capacity.
