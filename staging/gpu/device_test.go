@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
@@ -57,6 +58,17 @@ func envCUDA() cuda.Config {
 		return cuda.Config{Runtime: []string{p}, Driver: []string{p}}
 	}
 	return cuda.Config{}
+}
+
+// benchCUDA is envCUDA, or with KVHOST_GPU_FAKE=1 the fake CUDA library
+// built for the test (a smoke test of a GPU benchmark on any machine).
+func benchCUDA(t *testing.T) cuda.Config {
+	t.Helper()
+	if os.Getenv("KVHOST_GPU_FAKE") == "1" {
+		p := cudatest.Build(t)
+		return cuda.Config{Runtime: []string{p}, Driver: []string{p}}
+	}
+	return envCUDA()
 }
 
 func gbps(bytes int64, d time.Duration) float64 { return float64(bytes) / d.Seconds() / 1e9 }

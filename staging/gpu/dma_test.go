@@ -13,7 +13,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/cuda"
-	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/bench"
 )
 
@@ -39,12 +38,7 @@ func TestGPUWritesBesideDMA(t *testing.T) {
 		threads = 16
 		files   = 128
 	)
-	var cfg cuda.Config
-	if os.Getenv("KVHOST_GPU_FAKE") == "1" { // a smoke test on the fake library
-		p := cudatest.Build(t)
-		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
-	}
-	r, _ := openGPU(t, cfg)
+	r, _ := openGPU(t, benchCUDA(t))
 	unlock, err := r.LockDevice(0)
 	if err != nil {
 		t.Fatal(err)

@@ -16,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/cuda"
-	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/region"
@@ -38,12 +37,7 @@ func TestGPURegisteredFiles(t *testing.T) {
 		t.Skip("set KVHOST_GPU=1 and KVHOST_GPU_REGDIRS on a machine with a CUDA GPU to run it")
 	}
 	rep := &report{t: t}
-	var cfg cuda.Config
-	if os.Getenv("KVHOST_GPU_FAKE") == "1" { // a smoke test on the fake library
-		p := cudatest.Build(t)
-		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
-	}
-	r, w := openGPU(t, cfg)
+	r, w := openGPU(t, benchCUDA(t))
 	g := llama8B()
 	kv := newCache(t, w, g)
 	orig := kv.randomize(t, w, 1)

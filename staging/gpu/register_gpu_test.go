@@ -9,8 +9,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/kvhost/kvhost/cuda/cudatest"
 )
 
 // TestGPURegistrationRate measures what registering tmpfs files with CUDA
@@ -26,12 +24,7 @@ import (
 func TestGPURegistrationRate(t *testing.T) {
 	needGPU(t)
 	rep := newReport(t, ".register")
-	cfg := envCUDA()
-	if os.Getenv("KVHOST_GPU_FAKE") == "1" {
-		p := cudatest.Build(t)
-		cfg.Runtime, cfg.Driver = []string{p}, []string{p}
-	}
-	r, _ := openGPU(t, cfg)
+	r, _ := openGPU(t, benchCUDA(t))
 	base := os.Getenv("KVHOST_GPU_TMPFS")
 	if base == "" {
 		base = "/dev/shm"

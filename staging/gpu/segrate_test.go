@@ -2,12 +2,10 @@ package gpu
 
 import (
 	"math/rand/v2"
-	"os"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/cuda"
-	"github.com/kvhost/kvhost/cuda/cudatest"
 )
 
 // TestGPUSegmentCopyRates measures host-to-device copy rates from pinned
@@ -27,12 +25,7 @@ func TestGPUSegmentCopyRates(t *testing.T) {
 		block = 32 << 10
 		area  = 2 * total // destinations are shuffled over twice the bytes
 	)
-	cfg := envCUDA()
-	if os.Getenv("KVHOST_GPU_FAKE") == "1" { // a smoke test on the fake library
-		p := cudatest.Build(t)
-		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
-	}
-	r, _ := openGPU(t, cfg)
+	r, _ := openGPU(t, benchCUDA(t))
 	unlock, err := r.LockDevice(0)
 	if err != nil {
 		t.Fatal(err)
