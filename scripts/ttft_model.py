@@ -107,15 +107,21 @@ class Attention:
             return self.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
         return self.sdpa(q, k, v, attn_mask=bias)
 
+    def _batched(self, q, k, v):
+        """q (n, heads, d), k and v (T, kv_heads, d) as (1, heads, n or T,
+        d), k and v repeated per query head where SDPA cannot group them."""
+        q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if not self.gqa or self.sdpa is None:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return q, k, v
+
     def __call__(self, q, k, v):
         """q (n, heads, d), k and v (T, kv_heads, d), T >= n: the n queries
         are the last n positions. Returns (n, heads * d)."""
         n, heads, d = q.shape
         t = k.shape[0]
-        q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if not self.gqa or self.sdpa is None:
-            rep = heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        q, k, v = self._batched(q, k, v)
         if self.sdpa is None:
             scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
             scores = scores.masked_fill(~self._mask(n, t, q.device), float("-inf"))
@@ -133,10 +139,7 @@ class Attention:
         """q (n, heads, d), k and v (T, kv_heads, d), mask (n, T) booleans
         (True: query i sees key j). Returns (n, heads * d)."""
         n, heads, d = q.shape
-        q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if not self.gqa or self.sdpa is None:
-            rep = heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        q, k, v = self._batched(q, k, v)
         if self.sdpa is None:
             scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
             out = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
