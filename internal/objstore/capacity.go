@@ -1,13 +1,11 @@
 package objstore
 
 import (
-	"cmp"
 	"context"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -122,7 +120,7 @@ func (errFull) Is(target error) bool { return target == syscall.ENOSPC }
 func (s *Store) Usage() (used, capacity int64, objects int) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.used, s.cfg.Capacity, len(s.present)
+	return s.present.used, s.cfg.Capacity, s.present.len()
 }
 
 // evictTo is the share of Capacity an eviction leaves the objects
@@ -187,7 +185,7 @@ func (s *Store) takeRoom(ctx context.Context, size int64) (release func(), err e
 		s.mu.Unlock()
 	}
 	s.mu.Lock()
-	if s.used+s.reserved+size <= bound {
+	if s.present.used+s.reserved+size <= bound {
 		s.reserved += size
 		s.mu.Unlock()
 		return give, nil
@@ -196,7 +194,7 @@ func (s *Store) takeRoom(ctx context.Context, size int64) (release func(), err e
 	s.room.Lock() // one eviction at a time: each finds the room the last made
 	defer s.room.Unlock()
 	s.mu.Lock()
-	over := s.used + s.reserved + size - int64(evictTo*float64(bound))
+	over := s.present.used + s.reserved + size - int64(evictTo*float64(bound))
 	s.mu.Unlock()
 	if over > 0 {
 		if err := s.evict(ctx, over); err != nil {
@@ -205,8 +203,8 @@ func (s *Store) takeRoom(ctx context.Context, size int64) (release func(), err e
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.used+s.reserved+size > bound {
-		return nil, fmt.Errorf("%w: bucket %s: %d of the bound's %d bytes held and %d being uploaded, %d more needed, and nothing left to evict", ErrFull, s.cfg.Bucket, s.used, bound, s.reserved, size)
+	if s.present.used+s.reserved+size > bound {
+		return nil, fmt.Errorf("%w: bucket %s: %d of the bound's %d bytes held and %d being uploaded, %d more needed, and nothing left to evict", ErrFull, s.cfg.Bucket, s.present.used, bound, s.reserved, size)
 	}
 	s.reserved += size
 	return give, nil
@@ -217,31 +215,32 @@ func (s *Store) takeRoom(ctx context.Context, size int64) (release func(), err e
 // ctx ended; an object whose removal failed is forgotten until the next
 // listing finds it again.
 func (s *Store) evict(ctx context.Context, want int64) error {
-	type cand struct {
-		name string
-		object
-	}
-	s.mu.Lock()
-	all := make([]cand, 0, len(s.present))
-	for name, o := range s.present {
-		all = append(all, cand{name, o})
-	}
-	slices.SortFunc(all, func(a, b cand) int { return cmp.Or(cmp.Compare(a.at, b.at), strings.Compare(a.name, b.name)) })
-	var names []string
-	for _, c := range all {
-		if want <= 0 {
-			break
-		}
-		names = append(names, c.name)
-		want -= c.size
-		s.forgetLocked(c.name)
-		s.deleting[c.name] = struct{}{}
-	}
-	s.mu.Unlock()
+	names := s.victims(want)
 	gone, err := s.deleteNames(ctx, names)
 	s.evicted.Add(uint64(len(gone)))
 	s.tellGone(gone, true)
 	return err
+}
+
+// victims forgets the least recently used objects of at least want bytes,
+// or every object, marks them deleting and returns their names, least
+// recently used first: O(log n) each, taken from the root of the order
+// the store keeps (known).
+func (s *Store) victims(want int64) []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var names []string
+	for want > 0 {
+		name, o, ok := s.present.oldest()
+		if !ok {
+			break
+		}
+		names = append(names, name)
+		want -= o.size
+		s.forgetLocked(name)
+		s.deleting[name] = struct{}{}
+	}
+	return names
 }
 
 // deleteNames removes the objects names, which the caller forgot and
@@ -315,7 +314,7 @@ func (s *Store) Purge(ctx context.Context, fp uint64) ([][]byte, error) {
 	for _, name := range names {
 		listed[name] = true
 	}
-	for name := range s.present {
+	for name := range s.present.names() {
 		if strings.HasPrefix(name, dir) && !listed[name] {
 			names = append(names, name)
 		}

@@ -173,9 +173,10 @@ type Store struct {
 	// reqs bounds the requests in flight (Config.Requests).
 	reqs chan struct{}
 
-	mu      sync.RWMutex
-	present map[string]object // the objects the bucket holds, as known
-	used    int64             // the bytes of present
+	mu sync.RWMutex
+	// present is the objects the bucket holds, as known, in the order
+	// evictions take them.
+	present *known
 	// reserved is the bytes of the uploads under way that took room
 	// within Capacity (capacity.go).
 	reserved int64
@@ -245,7 +246,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		RequestChecksumCalculation: aws.RequestChecksumCalculationWhenRequired,
 		ResponseChecksumValidation: aws.ResponseChecksumValidationWhenRequired,
 	})
-	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: map[string]object{}, deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
+	s := newStore(cfg, client)
 	if err := s.checkBucket(ctx); err != nil {
 		return nil, err
 	}
@@ -267,6 +268,12 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	return s, nil
 }
 
+// newStore returns a Store on client, knowing of no object yet, with
+// nothing started.
+func newStore(cfg Config, client *s3.Client) *Store {
+	return &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: newKnown(nil), deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
+}
+
 // Close stops the uploads and listings. Uploads under way are abandoned
 // (a multipart one aborted, bounded by the request timeout): the files
 // are the engine's, and a later store of their keys copies them again.
@@ -279,7 +286,7 @@ func (s *Store) Close() error {
 // Stats returns the store's counts.
 func (s *Store) Stats() Stats {
 	s.mu.RLock()
-	n, used := len(s.present), s.used
+	n, used := s.present.len(), s.present.used
 	s.mu.RUnlock()
 	return Stats{
 		Objects: n, Uploaded: s.uploaded.Load(), Skipped: s.skipped.Load(), Failed: s.failed.Load(), Dropped: s.dropped.Load(),
@@ -301,7 +308,7 @@ func (s *Store) Name(fp uint64, key []byte) string {
 func (s *Store) Has(fp uint64, key []byte) bool {
 	name := s.Name(fp, key)
 	s.mu.RLock()
-	_, ok := s.present[name]
+	_, ok := s.present.get(name)
 	s.mu.RUnlock()
 	return ok
 }
@@ -310,8 +317,7 @@ func (s *Store) Has(fp uint64, key []byte) bool {
 func (s *Store) add(name string, size int64) {
 	s.mu.Lock()
 	o := object{size: size, at: time.Now().UnixNano()}
-	s.used += size - s.present[name].size
-	s.present[name] = o
+	s.present.set(name, o)
 	if s.since != nil {
 		s.since[name] = o
 		delete(s.gone, name)
@@ -328,8 +334,7 @@ func (s *Store) forget(name string) {
 
 // forgetLocked is forget with s.mu held.
 func (s *Store) forgetLocked(name string) {
-	s.used -= s.present[name].size
-	delete(s.present, name)
+	s.present.remove(name)
 	if s.since != nil {
 		delete(s.since, name)
 		s.gone[name] = struct{}{}
@@ -339,9 +344,9 @@ func (s *Store) forgetLocked(name string) {
 // touch records a use of name now (a load), which an eviction ranks by.
 func (s *Store) touch(name string) {
 	s.mu.Lock()
-	if o, ok := s.present[name]; ok {
+	if o, ok := s.present.get(name); ok {
 		o.at = time.Now().UnixNano()
-		s.present[name] = o
+		s.present.set(name, o)
 	}
 	s.mu.Unlock()
 }
@@ -447,24 +452,22 @@ func (s *Store) list(ctx context.Context) error {
 	for name := range s.deleting {
 		delete(found, name)
 	}
-	var used int64
 	for name, o := range found {
-		if old, ok := s.present[name]; ok && old.at > o.at {
+		if old, ok := s.present.get(name); ok && old.at > o.at {
 			o.at = old.at // a use here since its upload
 			found[name] = o
 		}
-		used += o.size
 	}
 	// What the last listing or an upload knew and this one did not find
 	// left behind this store's back: another node evicted, deleted or
 	// purged it.
 	var vanished []string
-	for name := range s.present {
+	for name := range s.present.names() {
 		if _, ok := found[name]; !ok {
 			vanished = append(vanished, name)
 		}
 	}
-	s.present, s.used = found, used
+	s.present = newKnown(found)
 	s.mu.Unlock()
 	s.listings.Add(1)
 	s.vanished.Add(uint64(len(vanished)))
