@@ -48,7 +48,12 @@ last token, the device synchronized at both ends:
 
 and the ceilings beside them: suffix (the suffix's compute with the prefix
 already on the device), h2d (a pinned host to GPU copy of the prefix's
-K/V bytes; CUDA only) and bound (no daemon: the prefix's K/V
+K/V bytes; CUDA only), disk (the files the prefix's store wrote, read
+whole by plain reads in several shapes: 1, 4 and 16 O_DIRECT readers of
+4 MiB, 16 buffered of 4 MiB and 64 of 1 MiB, each after dropping the page
+cache with --cold; the best is the mount's ceiling, against which the
+whole load's rate, its bytes over its time beyond the suffix's, and
+llm-d's are reported) and bound (no daemon: the prefix's K/V
 in pinned host memory, one copy per layer on a side stream, each layer's
 attention waiting for its copy and scattering it into the paged cache on
 the compute stream: the physical bound of a layer-wise hit; on a CPU the
@@ -141,7 +146,7 @@ def parse_args(argv=None):
                     "times the prefixes' K/V bytes)")
     ap.add_argument("--sizes", default="2048,8192,32256", help="prefix sizes P in tokens, comma-separated")
     ap.add_argument("--suffix", type=int, default=512, help="suffix tokens S")
-    ap.add_argument("--modes", default="recompute,suffix,half,h2d,bound,whole,layerwise,split,llmd",
+    ap.add_argument("--modes", default="recompute,suffix,half,h2d,bound,disk,whole,layerwise,split,llmd",
                     help="modes to run (recompute always runs: it is the reference)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per mode (median and best reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
@@ -168,7 +173,8 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.sizes = [int(s) for s in a.sizes.split(",") if s]
     a.modes = [m for m in a.modes.split(",") if m]
-    unknown = set(a.modes) - {"recompute", "suffix", "half", "h2d", "bound", "whole", "layerwise", "split", "llmd"}
+    unknown = set(a.modes) - {"recompute", "suffix", "half", "h2d", "bound", "disk", "whole", "layerwise", "split",
+                              "llmd"}
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}")
     if not a.dir and not a.socket:
@@ -216,6 +222,89 @@ def mount_of(path):
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
                 best = (mnt, fstype, dev)
     return best
+
+
+def data_files(d):
+    """{path: size} of the data files under d (names starting with "."
+    are temporaries and spares)."""
+    out = {}
+    for r, _, fs in os.walk(d):
+        for f in fs:
+            if not f.startswith("."):
+                path = os.path.join(r, f)
+                try:
+                    out[path] = os.stat(path).st_size
+                except FileNotFoundError:
+                    pass
+    return out
+
+
+# The plain reads a disk ceiling tries: (name, O_DIRECT, readers, bytes
+# per read). On the H200's virtio ext4 one O_DIRECT reader of 4 MiB and
+# 16-64 buffered readers each reached about 2.0 GB/s where 16-64 O_DIRECT
+# readers got 1.2-1.65: no one shape is best everywhere.
+DISK_READS = [("direct-1x4MiB", True, 1, 4 << 20), ("direct-4x4MiB", True, 4, 4 << 20),
+              ("direct-16x4MiB", True, 16, 4 << 20), ("buffered-16x4MiB", False, 16, 4 << 20),
+              ("buffered-64x1MiB", False, 64, 1 << 20)]
+
+
+def disk_ceiling(files, cold_state, reads=DISK_READS):
+    """Reads files whole with each of reads (threads taking the next
+    file, preads of the given size into page-aligned buffers), the page
+    cache dropped first where cold_state is given (a dict: --cold);
+    returns each's GB/s and the best: the ceiling a load from this mount
+    is held against. Threads release the GIL in preadv, so they read at
+    once."""
+    import mmap
+    import threading
+    total = sum(os.path.getsize(f) for f in files)
+    configs = []
+    for name, direct, readers, size in reads:
+        if cold_state is not None:
+            drop_page_cache(cold_state)
+        queue, lock, errors = list(files), threading.Lock(), []
+
+        def reader():
+            buf = mmap.mmap(-1, size)  # page-aligned: what O_DIRECT needs
+            view = memoryview(buf)
+            try:
+                while True:
+                    with lock:
+                        if not queue:
+                            return
+                        path = queue.pop()
+                    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+                    try:
+                        fd = os.open(path, flags)
+                    except OSError:  # a file system without O_DIRECT (tmpfs): read it buffered
+                        fd = os.open(path, os.O_RDONLY)
+                    try:
+                        off = 0
+                        while True:
+                            n = os.preadv(fd, [view], off)
+                            if n <= 0:
+                                break
+                            off += n
+                    finally:
+                        os.close(fd)
+            except OSError as e:
+                errors.append(f"{name}: {e}")
+            finally:
+                view.release()
+                buf.close()
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=reader) for _ in range(readers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        dt = time.perf_counter() - t0
+        configs.append({"name": name, "direct": direct, "readers": readers, "read_bytes": size, "seconds": dt,
+                        "gbps": total / dt / 1e9 if dt > 0 else 0.0, "errors": errors})
+    best = max(configs, key=lambda c: c["gbps"] if not c["errors"] else -1)
+    return {"files": len(files), "bytes": total, "configs": configs, "best": best["name"],
+            "best_gbps": best["gbps"], "cold": cold_state is not None}
 
 
 def corrupt_newest(d):
@@ -397,12 +486,21 @@ class Bench:
         ref_kv = self.cache.index_select(2, self.prefix_blocks(p)).clone()
 
         # The prefix's keys, stored from the recomputation's blocks.
+        before = data_files(a.dir) if a.dir else {}
         res = self.c.store(self.cache_id, keys, blocks).wait(a.job_timeout)
         stored = res.count(1) + res.count(2)
         if stored != nkeys:
             raise SystemExit(f"ttft-bench: stored {stored} of {nkeys} keys: {res.outcomes()}")
         if a.corrupt_stored:
             corrupt_newest(a.dir)
+        if "disk" in a.modes and a.dir:
+            # The files this store wrote, read by plain reads: the
+            # mount's own ceiling for a whole load, in this run.
+            files = sorted(set(data_files(a.dir)) - set(before))
+            modes["disk"] = disk_ceiling(files, self.cold_state if a.cold else None)
+            d = modes["disk"]
+            print(f"disk P {p} files {len(files)} bytes {d['bytes']} best_gbps {d['best_gbps']:.2f} "
+                  f"({d['best']}) " + " ".join(f"{c['name']} {c['gbps']:.2f}" for c in d["configs"]), flush=True)
 
         def cached_mode(mode, k):
             """Times the computation of tokens k.. with the first k cached
@@ -617,7 +715,7 @@ class Bench:
 
     def _ratios(self, rep):
         m = rep["modes"]
-        med = {k: v["median_ms"] for k, v in m.items()}
+        med = {k: v["median_ms"] for k, v in m.items() if "median_ms" in v}  # disk is a rate
         ratios, s, p = {}, rep["S"], rep["P"]
         if {"suffix", "h2d"} <= set(med):
             ceiling = max(med["h2d"], med["suffix"])
@@ -636,6 +734,17 @@ class Bench:
             lo, hi = min(ratios["layerwise/bound_reps"]), max(ratios["layerwise/bound_reps"])
             print(f"bound P {p} S {s} layerwise/bound {r:.2f} (reps {lo:.2f}-{hi:.2f}) bound_ms {med['bound']:.1f} "
                   f"limit {BOUND} met {r <= BOUND}")
+        disk = m.get("disk", {}).get("best_gbps")
+        if disk and "suffix" in med:
+            # A whole load's rate (its bytes over its time beyond the
+            # suffix's), and llm-d's, against the plain reads' best.
+            for mode in ("whole", "llmd"):
+                if mode in med and med[mode] > med["suffix"]:
+                    gbps = self.cfg.kv_bytes(p) / (med[mode] - med["suffix"]) / 1e6
+                    ratios[f"{mode}_gbps"] = gbps
+                    ratios[f"{mode}_gbps/disk"] = gbps / disk
+                    print(f"disk P {p} S {s} {mode}_gbps {gbps:.2f} {mode}/disk {gbps / disk:.2f} "
+                          f"disk_gbps {disk:.2f}", flush=True)
         for mode in ("whole", "layerwise", "split", "llmd"):
             if mode in med and "recompute" in med:
                 ratios[f"{mode}/recompute"] = med[mode] / med["recompute"]

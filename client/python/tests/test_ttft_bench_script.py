@@ -63,7 +63,16 @@ class TestTtftBenchScript(unittest.TestCase):
                 self.assertGreater(float(m.group(4)), 0, out.stdout)
                 self.assertLessEqual(float(m.group(5)), float(m.group(4)), "best above the median")
         size = data["sizes"]["64"]
-        self.assertEqual(sorted(size["modes"]), sorted(CPU_MODES))
+        self.assertEqual(sorted(size["modes"]), sorted(CPU_MODES + ["disk"]))
+        # disk: the store's files read whole in every shape, the best the
+        # ceiling the whole load's rate is reported against.
+        disk = size["modes"].pop("disk")
+        self.assertEqual(disk["files"], 2)  # 64 tokens of 32 per key
+        self.assertEqual([c["errors"] for c in disk["configs"]], [[]] * len(disk["configs"]))
+        self.assertEqual(disk["best_gbps"], max(c["gbps"] for c in disk["configs"]))
+        self.assertGreater(disk["best_gbps"], 0)
+        self.assertGreater(size["ratios"]["whole_gbps/disk"], 0)
+        self.assertRegex(out.stdout, r"disk P 64 files 2 bytes \d+ best_gbps [\d.]+ ")
         for mode, m in size["modes"].items():
             self.assertEqual(len(m["reps_ms"]), 2, mode)
             self.assertEqual(m["errors"], [], mode)
