@@ -428,6 +428,11 @@ type Mount struct {
 	// Checksum, if set to false, turns payload checksums off on the mount
 	// (default true).
 	Checksum *bool `toml:"checksum"`
+	// LoadReaders is the most files loads read at once from the mount,
+	// on a file system other than memory: 0 (the default) tunes it by
+	// measured throughput between 1 and engine.io_workers; a number
+	// fixes it.
+	LoadReaders int `toml:"load_readers"`
 	// Layout is "kvhost" (the default: kvhost's own files) or "vllm-fs"
 	// (vLLM's fs-tier directory, byte for byte; configured by VLLMFS).
 	Layout string `toml:"layout"`
@@ -1050,6 +1055,8 @@ func (c *Config) Validate() error {
 			return bad("mount.preallocate", `a size ≥ 0 or "auto"`, m.Preallocate.Bytes)
 		case m.IO != "" && m.IO != "auto" && m.IO != "direct" && m.IO != "buffered":
 			return bad("mount.io", `"auto", "direct" or "buffered"`, fmt.Sprintf("%q", m.IO))
+		case m.LoadReaders < 0 || m.LoadReaders > 256:
+			return bad("mount.load_readers", "0 (tuned) or 1..256", m.LoadReaders)
 		case !slices.Contains([]string{"", "memory", "nvme", "ssd", "hdd", "network"}, m.DeviceClass):
 			return bad("mount.device_class", `"memory", "nvme", "ssd", "hdd" or "network" (or nothing: detected)`, fmt.Sprintf("%q", m.DeviceClass))
 		case m.Layout != "" && m.Layout != LayoutKVHost && m.Layout != LayoutVLLMFS:

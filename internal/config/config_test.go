@@ -162,6 +162,7 @@ func TestParseErrors(t *testing.T) {
 		{"watermarks", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.5\nlow_watermark = 0.6", "mount.low_watermark"},
 		{"duplicate mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "each mount once"},
 		{"io mode", "[[mount]]\npath = \"/a\"\nio = \"fast\"", `kvhost.toml:3: mount.io: want "auto", "direct" or "buffered", got "fast"`},
+		{"negative load readers", "[[mount]]\npath = \"/a\"\nload_readers = -1", `kvhost.toml:3: mount.load_readers: want 0 (tuned) or 1..256, got -1`},
 		{"checksum type", "[[mount]]\npath = \"/a\"\nchecksum = \"yes\"", "mount.checksum"},
 		{"negative preallocate", "[[mount]]\npath = \"/a\"\npreallocate = -1", "kvhost.toml:3: mount.preallocate: size -1 is negative"},
 		{"preallocate word", "[[mount]]\npath = \"/a\"\npreallocate = \"lots\"", `kvhost.toml:3: mount.preallocate: size "lots": want a number of bytes with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB) (or "auto")`},

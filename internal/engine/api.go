@@ -118,6 +118,12 @@ type Mount struct {
 	// NoChecksum turns payload checksums off on this mount (files are
 	// flagged unchecked), as Config.NoChecksum does for every mount.
 	NoChecksum bool
+	// LoadReaders bounds the files loads read at once from the mount, on
+	// a file system other than memory (package iotune): 0 tunes the
+	// bound by measured throughput between 1 and Config.IOWorkers; a
+	// number fixes it (at most IOWorkers). Memory file systems are not
+	// bounded.
+	LoadReaders int
 	// Reserve is space the engine leaves free on the file system: the
 	// effective capacity is the smaller of Capacity and the file system's
 	// available space plus the engine's own files, minus Reserve.
@@ -553,6 +559,12 @@ type MountStats struct {
 	// Namespace is the model id a vllm-fs mount serves; Base its base
 	// directory's name (both empty on a kvhost mount).
 	Namespace, Base string
+	// LoadReaders is the most files loads read at once from the mount
+	// now (Mount.LoadReaders, tuned where 0); 0 on a memory file
+	// system, which has no such bound. LoadReadersChanged counts the
+	// times tuning moved it.
+	LoadReaders        int
+	LoadReadersChanged uint64
 	// StoresFailing says that the mount refuses stores: its most recent
 	// stores failed for a reason of the mount's own, and none succeeded
 	// since; nil while they succeed.

@@ -372,6 +372,10 @@ func (e *Engine) Stats() Stats {
 			Direct: m.direct, Memory: m.memory, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 			MovedIn: sp.MovedIn, MovedOut: sp.MovedOut, StoresFailing: m.storeFailure(),
 		})
+		if m.readers != nil {
+			g := m.readers.Stats()
+			s.Mounts[len(s.Mounts)-1].LoadReaders, s.Mounts[len(s.Mounts)-1].LoadReadersChanged = g.Limit, g.Changes
+		}
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]
 			ms.Layout, ms.Namespace, ms.Base = LayoutVLLMFS, m.raw.model, m.raw.layout.Base()

@@ -83,13 +83,13 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	turn.wait(ctx)
 	var wg sync.WaitGroup
 	// withSlot runs fn with a file slot, on a goroutine of its own, or
-	// fails the keys idx where ctx ends first.
-	withSlot := func(idx []int, fn func()) {
+	// fails the keys idx where ctx ends first (and reports false).
+	withSlot := func(idx []int, fn func()) bool {
 		if err := e.mv.slots.acquire(ctx); err != nil {
 			for _, i := range idx {
 				set(i, OutcomeFailed, err)
 			}
-			return
+			return false
 		}
 		wg.Add(1)
 		go func() {
@@ -97,10 +97,34 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			defer e.releaseSlot()
 			fn()
 		}()
+		return true
 	}
 	for _, en := range order {
 		idx := byEntry[en]
-		withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx) })
+		// A disk's loads wait for one of its readers first (package
+		// iotune: as many at once as it moves fastest), before a file
+		// slot, which another mount's loads may want meanwhile.
+		g := e.mounts[en.Mount].readers
+		if g == nil {
+			withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx) })
+			continue
+		}
+		if err := g.Acquire(ctx); err != nil {
+			for _, i := range idx {
+				set(i, OutcomeFailed, err)
+			}
+			continue
+		}
+		read := en.Size
+		if !lr.all() && c.ns.geo.Layers > 0 {
+			read = en.Size * int64(lr.Count) / int64(c.ns.geo.Layers)
+		}
+		if !withSlot(idx, func() {
+			defer g.Release(read)
+			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx)
+		}) {
+			g.Release(0) // no file slot: ctx ended
+		}
 	}
 	for _, i := range objs {
 		withSlot([]int{i}, func() { e.objs.load(ctx, j, c, keys, blocks, lr, i) })

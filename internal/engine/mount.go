@@ -3,6 +3,7 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"github.com/kvhost/kvhost/internal/iotune"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -30,11 +31,15 @@ type mount struct {
 	direct bool
 	// mountFS is what Open found of the mount's file system.
 	mountFS
-	checksums bool   // payload checksums on this mount (Mount.NoChecksum, the mover)
-	backend   string // the host mover's name
-	movers    map[region.Kind]transfer.Mover
-	ioWhy     string     // how the I/O mode was chosen
-	raw       *rawLayout // a vllm-fs mount; nil for kvhost's layout
+	checksums bool // payload checksums on this mount (Mount.NoChecksum, the mover)
+	// readers bounds the files loads read at once from the mount
+	// (Mount.LoadReaders); nil on a memory file system, whose loads
+	// are bounded by the file slots only.
+	readers *iotune.Gate
+	backend string // the host mover's name
+	movers  map[region.Kind]transfer.Mover
+	ioWhy   string     // how the I/O mode was chosen
+	raw     *rawLayout // a vllm-fs mount; nil for kvhost's layout
 	// evictMu is held by the eviction on the mount (and a store's retry
 	// after ENOSPC); the first of the engine's locks, taken in mount
 	// order (demoteVictim). Only capacity.go takes it (withEvictLock,
@@ -249,6 +254,13 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	}
 	if st.ReadOnly {
 		mt.unwritable = syscall.EROFS
+	}
+	if !mt.memory {
+		n := e.cfg.IOWorkers
+		if m.LoadReaders > 0 {
+			n = min(m.LoadReaders, n)
+		}
+		mt.readers = iotune.New(iotune.Config{Max: n, Fixed: m.LoadReaders > 0, Now: e.cfg.Now})
 	}
 	switch {
 	case io == IOBuffered:

@@ -103,6 +103,9 @@ type MountStats struct {
 	Checksums  bool   // payload checksums are written and verified
 	MovedIn    uint64 // files moved to the mount from another tier
 	MovedOut   uint64 // files moved from the mount to another tier
+	// LoadReaders is the most files loads read at once from the mount
+	// now; 0 where there is no such bound (a memory file system).
+	LoadReaders int
 	// StoresFailing: the mount refuses stores now (its most recent
 	// stores failed for a reason of its own).
 	StoresFailing bool
