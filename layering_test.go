@@ -49,7 +49,8 @@ var publicPackages = []string{
 	"host/policy/policytest",
 	"plugins/...", // guest code: policies built to wasm
 	"examples/...",
-	"cmd/kvhost", // the daemon's main
+	"cmd/kvhost",  // the daemon's main
+	"cmd/s3local", // a test S3 endpoint's main (internal/s3local)
 }
 
 // Selectors a rule's from, to and except may use beside package
