@@ -291,7 +291,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.rm.objs = &e.objs
 	e.tier.objs, e.objs.lazy = &e.objs, e.tier.demotes
 	if cfg.Objects != nil {
-		e.objs.promoter = newObjectPromoter(e, e.busy.down)
+		e.objs.promoter = newObjectPromoter(e, e.objs.holds, e.busy.down)
 	}
 	e.own.openOwners(e.mounts, e.watch.spareEligible) // before the walk, which keeps live owners' spares
 	// The cluster locks before the walk too: an adopter of this node's

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -317,16 +318,36 @@ func (o *objectTier) load(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		return
 	}
 	o.loaded(j, i, lr, sk.moved[k]+sk.skipped[k], sk.moved[k])
-	o.promote(c, key, lr)
+	if o.promoting(lr) && !slices.Contains(blocks[i], NoBlock) {
+		o.promoteFromBlocks(c, h, k, blocks[i])
+	}
 }
 
-// promote offers key, loaded whole into c from the object mount, for
-// promotion to a file mount, where the policy decides what the object
-// mount takes (lazy).
-func (o *objectTier) promote(c *cache, key []byte, lr LayerRange) {
-	if o.promoter != nil && lr.all() && o.lazy != nil && o.lazy() {
-		o.promoter.offer(c, key)
-	}
+// promoting reports whether a key loaded from the object mount with the
+// layers lr is offered for promotion to a file mount: loaded whole, where
+// the policy decides what the object mount takes (lazy), and the
+// promoter has room for it.
+func (o *objectTier) promoting(lr LayerRange) bool {
+	return o.promoter != nil && lr.all() && o.lazy != nil && o.lazy() && o.promoter.room()
+}
+
+// promoteFromBlocks offers key k of the object of header h, just loaded
+// and verified into blocks of c's host memory, for promotion: a copy of
+// its blocks in the daemon's memory, made before the load answers (the
+// client may write its blocks from then on); the promoter checks the
+// copy's checksum before it stores it.
+func (o *objectTier) promoteFromBlocks(c *cache, h *format.Header, k int, blocks []int) {
+	obj := make([]byte, h.FileLen())
+	hl, bb := int64(h.Len()), int64(h.BlockBytes)
+	want := make([]bool, len(h.Keys))
+	want[k] = true
+	h.Walk(want, func(_, b, l, p int, off int64) {
+		t := &c.layers[l]
+		src := t.Region.(region.Addressable).Bytes() // a host cache's (RegisterCache)
+		at := t.Offset + int64(p)*t.PlaneStride + int64(blocks[b])*t.BlockStride
+		copy(obj[hl+off:hl+off+bb], src[at:at+bb])
+	})
+	o.promoter.offer(promotion{ns: c.ns.id, fp: c.ns.fp, geo: c.ns.geo, key: bytes.Clone(h.Keys[k].Key), h: h, k: k, obj: obj})
 }
 
 // loaded sets key i of j loaded from the object mount and counts it: read
@@ -359,7 +380,12 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
 		return
 	}
-	defer o.bounce.put(b)
+	kept := false // the promoter took b
+	defer func() {
+		if !kept {
+			o.bounce.put(b)
+		}
+	}()
 	bf, mem := b.f, b.mem[:h.FileLen()]
 	io := o.io.Begin()
 	defer o.io.End(io)
@@ -384,7 +410,12 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 		return
 	}
 	o.loaded(j, i, lr, h.FileLen(), sk.moved[k])
-	o.promote(c, key, lr)
+	if o.promoting(lr) {
+		// The object, verified in b, is promoted from there: b goes
+		// back to the pool once the promotion has copied it.
+		kept = true
+		o.promoter.offer(promotion{ns: c.ns.id, fp: c.ns.fp, geo: c.ns.geo, key: bytes.Clone(key), h: h, k: k, obj: mem, release: func() { o.bounce.put(b) }})
+	}
 }
 
 // memorySums returns the CRC-32C of the payload of the keys marked in

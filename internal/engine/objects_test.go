@@ -37,6 +37,16 @@ type memObjects struct {
 	// those Upload copied; reads, the reads of objects.
 	published, uploads int
 	reads              atomic.Int64
+	// opens counts the opens of each object: one per load of it, each
+	// read of what it opens a ranged GET of the real store's.
+	opens map[string]int
+}
+
+// opened returns how many times the object of key was opened.
+func (o *memObjects) opened(fp uint64, key []byte) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.opens[objName(fp, key)]
 }
 
 func objName(fp uint64, key []byte) string { return fmt.Sprintf("%016x/%x", fp, key) }
@@ -49,6 +59,9 @@ func (o *memObjects) Has(fp uint64, key []byte) bool {
 }
 
 func (o *memObjects) Open(_ context.Context, fp uint64, key []byte) (fsys.File, error) {
+	o.mu.Lock()
+	o.opens[objName(fp, key)]++
+	o.mu.Unlock()
 	return &memObject{o: o, name: objName(fp, key)}, nil
 }
 
@@ -144,7 +157,7 @@ func newMemObjects(t testing.TB) *memObjects {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { mv.Close() })
-	return &memObjects{mv: mv, objs: map[string][]byte{}}
+	return &memObjects{mv: mv, objs: map[string][]byte{}, opens: map[string]int{}}
 }
 
 // memObject reads an object of memObjects; it writes nothing.

@@ -3,8 +3,10 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"sync"
 	"testing"
@@ -12,7 +14,10 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/engine/removals"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // The policy decides what the object mount takes: it is described to the
@@ -162,8 +167,10 @@ func TestAdmissionSendsAFileToTheObjectMount(t *testing.T) {
 
 // TestAKeyLoadedFromTheObjectMountIsPromotedWhereThePolicyAdmitsIt: with
 // a policy that decides what the object mount takes, a key demoted there
-// and then loaded whole is stored again on the file mount, with its
-// bytes, and its next load is from that file, not the object mount.
+// and then loaded whole is stored again on the file mount, from the
+// bytes its load read: its object is opened once, by the load; the
+// promoted file verifies and holds the key's bytes, and the key's next
+// load is from that file, not the object mount.
 func TestAKeyLoadedFromTheObjectMountIsPromotedWhereThePolicyAdmitsIt(t *testing.T) {
 	objs := newMemObjects(t)
 	pol := &objectPolicy{demotingPolicy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
@@ -175,13 +182,105 @@ func TestAKeyLoadedFromTheObjectMountIsPromotedWhereThePolicyAdmitsIt(t *testing
 	into := [][]int{{40, 41, 42, 43}}
 	loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
 	testwait.Until(t, "the promotion", 10*time.Second, func() bool { return e.TierStats().Promotions == 1 })
-	en := e.find(e.tables.get(ns), keys[i])
-	if en == nil || en.Mount != 0 {
-		t.Fatalf("the promoted key's entry: %+v, want a file on mount 0", en)
+	if n := objs.opened(c.geo.Fingerprint(), keys[i]); n != 1 {
+		t.Fatalf("the promoted key's object was opened %d times, want once (its load)", n)
 	}
+	promotedFileVerifies(t, e, ns, keys[i], want[i])
 	gets := objs.reads.Load()
 	loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
 	if objs.reads.Load() != gets {
 		t.Fatal("the promoted key's next load read the object mount")
+	}
+}
+
+// TestAKeyLoadedIntoDeviceMemoryIsPromotedFromItsVerifiedBounce: a key
+// only the object mount holds, loaded whole into device memory (the fake
+// GPU mover) on an engine whose policy demotes, is promoted from the
+// memory file its load verified it in: each object is opened once, and
+// the promoted files verify and load into host memory with the keys'
+// bytes.
+func TestAKeyLoadedIntoDeviceMemoryIsPromotedFromItsVerifiedBounce(t *testing.T) {
+	objs, _, _, keys, want := objectPair(t, "devpromote", 2)
+	pol := &objectPolicy{demotingPolicy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: pol, Objects: objs,
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return &fakeMover{}, nil }}})
+	ns, c := declareSmall(t, e, 64)
+	cid, _ := registerFakeDevice(t, e, ns, c.geo, 92, 32)
+	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys, Blocks: [][]int{{3, 2, 1, 0}, {4, 5, 6, 7}}}))
+	wantOutcomes(t, "load into device memory", res, OutcomeLoaded)
+	testwait.Until(t, "the promotions", 10*time.Second, func() bool { return e.TierStats().Promotions == uint64(len(keys)) })
+	for i, k := range keys {
+		if n := objs.opened(c.geo.Fingerprint(), k); n != 1 {
+			t.Fatalf("key %s: its object was opened %d times, want once (its load)", k, n)
+		}
+		promotedFileVerifies(t, e, ns, k, want[i])
+	}
+	gets := objs.reads.Load()
+	loadAndCompare(t, e, c, keys, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}}, want)
+	if objs.reads.Load() != gets {
+		t.Fatal("the promoted keys' loads read the object mount")
+	}
+}
+
+// TestAPromotionWhoseBytesChangedIsNotStored: a promotion whose bytes no
+// longer match the object's checksum (a client that wrote its blocks
+// before the copy was made) stores nothing, and is counted.
+func TestAPromotionWhoseBytesChangedIsNotStored(t *testing.T) {
+	objs, _, _, keys, _ := objectPair(t, "changed", 1)
+	pol := &objectPolicy{demotingPolicy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: pol, Objects: objs})
+	ns, c := declareSmall(t, e, 16)
+	fp := c.geo.Fingerprint()
+	f, err := objs.Open(context.Background(), fp, keys[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := readObjectHeader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs.mu.Lock()
+	obj := bytes.Clone(objs.objs[objName(fp, keys[0])])
+	objs.mu.Unlock()
+	obj[len(obj)-1] ^= 1 // a byte of the payload, changed after the load verified it
+	p := e.objs.promoter
+	p.promote(promotion{ns: ns, fp: fp, geo: c.geo, key: keys[0], h: h, k: 0, obj: obj})
+	if p.unverified.Load() != 1 || p.promoted.Load() != 0 {
+		t.Fatalf("%d promotions unverified, %d stored; want the changed one refused", p.unverified.Load(), p.promoted.Load())
+	}
+	if e.find(e.tables.get(ns), keys[0]) != nil {
+		t.Fatal("a promotion whose bytes changed was stored")
+	}
+}
+
+// promotedFileVerifies checks that key's file on e (the one a promotion
+// stored) has payload checksums, that its key's checksum is its
+// payload's, and that its payload is want.
+func promotedFileVerifies(t *testing.T, e *Engine, ns NamespaceID, key, want []byte) {
+	t.Helper()
+	en := e.find(e.tables.get(ns), key)
+	if en == nil || en.Mount != 0 {
+		t.Fatalf("key %s: entry %+v, want a file on mount 0", key, en)
+	}
+	b, err := os.ReadFile(en.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := format.Decode(b)
+	if err != nil {
+		t.Fatalf("key %s: the promoted file's header: %v", key, err)
+	}
+	if len(h.Keys) != 1 || h.Flags&format.FlagPayloadSums == 0 {
+		t.Fatalf("key %s: the promoted file holds %d keys, flags %#x; want the key alone, with payload checksums", key, len(h.Keys), h.Flags)
+	}
+	if sum := memorySums(b, h, []bool{true})[0]; sum != h.Keys[0].Sum {
+		t.Fatalf("key %s: the promoted file's payload checksum 0x%08x, its header says 0x%08x", key, sum, h.Keys[0].Sum)
+	}
+	var got []byte
+	h.Walk(nil, func(_, _, _, _ int, off int64) {
+		got = append(got, b[int64(h.Len())+off:int64(h.Len())+off+int64(h.BlockBytes)]...)
+	})
+	if !bytes.Equal(got, want) {
+		t.Fatalf("key %s: the promoted file holds other bytes than stored", key)
 	}
 }
