@@ -182,6 +182,8 @@ func (s *Server) completeUpload(w http.ResponseWriter, r *http.Request, sig *sig
 		if p.PartNumber < 1 || p.PartNumber > maxParts {
 			return errorf(http.StatusBadRequest, "InvalidPart", "part number %d: want 1 to %d", p.PartNumber, maxParts)
 		}
+	}
+	for i, p := range req.Parts {
 		files[i] = filepath.Join(done, partName(p.PartNumber))
 		fi, err := os.Stat(files[i])
 		if err != nil || !etagMatches(p.ETag, etag(fi)) {

@@ -48,8 +48,15 @@ type endpoint struct {
 
 func startEndpoint(t testing.TB, quota int64) *endpoint {
 	t.Helper()
+	return startServer(t, s3local.Config{AccessKey: testAccess, SecretKey: testSecret, Quota: quota})
+}
+
+// startServer is startEndpoint with cfg, on a directory of the test's.
+func startServer(t testing.TB, cfg s3local.Config) *endpoint {
+	t.Helper()
 	dir := t.TempDir()
-	srv, err := s3local.New(s3local.Config{Dir: dir, AccessKey: testAccess, SecretKey: testSecret, Quota: quota, Logger: quiet()})
+	cfg.Dir, cfg.Logger = dir, quiet()
+	srv, err := s3local.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
