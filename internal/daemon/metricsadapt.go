@@ -136,7 +136,7 @@ func engineSnapshot(st engine.Stats) metrics.EngineStats {
 		out.Mounts[i] = metrics.MountStats{
 			Path: mt.Path, Capacity: mt.Capacity, Used: mt.Used, Entries: mt.Entries, SpareBytes: mt.SpareBytes,
 			IO: mt.IO, Backend: mt.Backend, Checksums: mt.Checksums, MovedIn: mt.MovedIn, MovedOut: mt.MovedOut,
-			StoresFailing: mt.StoresFailing != nil, LoadReaders: mt.LoadReaders,
+			StoresFailing: mt.StoresFailing != nil, LoadReaders: mt.LoadReaders, LoadBuffered: mt.LoadBuffered,
 		}
 	}
 	return out

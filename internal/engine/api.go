@@ -561,9 +561,12 @@ type MountStats struct {
 	Namespace, Base string
 	// LoadReaders is the most files loads read at once from the mount
 	// now (Mount.LoadReaders, tuned where 0); 0 on a memory file
-	// system, which has no such bound. LoadReadersChanged counts the
-	// times tuning moved it.
+	// system, which has no such bound. LoadBuffered says that loads read
+	// through the page cache now (tuning may choose it on a local disk
+	// read with O_DIRECT by default). LoadReadersChanged counts the
+	// times tuning moved either.
 	LoadReaders        int
+	LoadBuffered       bool
 	LoadReadersChanged uint64
 	// StoresFailing says that the mount refuses stores: its most recent
 	// stores failed for a reason of the mount's own, and none succeeded

@@ -119,12 +119,17 @@ func (c *checker) judgeCheck(ctx context.Context, en *entry, err error) bool {
 }
 
 // openLoad opens en's file for a load: through the file its client pins
-// hold open (pinnedRef), or by its name (openData). It takes no lock: a
+// hold open (pinnedRef), or by its name (openData), buffered (without
+// O_DIRECT) where asked. It takes no lock: a
 // load of a file no pin holds open pays one atomic load for it.
-func (c *checker) openLoad(m *mount, en *entry) (f fsys.File, id fsys.Identity, idErr, err error) {
+func (c *checker) openLoad(m *mount, en *entry, buffered bool) (f fsys.File, id fsys.Identity, idErr, err error) {
 	pf := en.File.Load()
 	if pf == nil || !pf.Acquire() {
-		return c.hd.openData(m, en.Path, loadFlag(m))
+		flag := loadFlag(m)
+		if buffered {
+			flag = os.O_RDONLY
+		}
+		return c.hd.openData(m, en.Path, flag)
 	}
 	id, idErr = fileIdentity(pf.File())
 	return &pinnedRef{File: pf.File(), t: c.pins, pf: pf}, id, idErr, nil

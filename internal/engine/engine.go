@@ -374,7 +374,8 @@ func (e *Engine) Stats() Stats {
 		})
 		if m.readers != nil {
 			g := m.readers.Stats()
-			s.Mounts[len(s.Mounts)-1].LoadReaders, s.Mounts[len(s.Mounts)-1].LoadReadersChanged = g.Limit, g.Changes
+			ms := &s.Mounts[len(s.Mounts)-1]
+			ms.LoadReaders, ms.LoadBuffered, ms.LoadReadersChanged = g.Arm.Readers, g.Arm.Buffered, g.Changes
 		}
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"slices"
 	"sync"
 
@@ -106,10 +107,11 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		// slot, which another mount's loads may want meanwhile.
 		g := e.mounts[en.Mount].readers
 		if g == nil {
-			withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx) })
+			withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, !e.mounts[en.Mount].direct) })
 			continue
 		}
-		if err := g.Acquire(ctx); err != nil {
+		buffered, err := g.Acquire(ctx)
+		if err != nil {
 			for _, i := range idx {
 				set(i, OutcomeFailed, err)
 			}
@@ -121,7 +123,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		}
 		if !withSlot(idx, func() {
 			defer g.Release(read)
-			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx)
+			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, buffered)
 		}) {
 			g.Release(0) // no file slot: ctx ended
 		}
@@ -142,8 +144,10 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 }
 
 // loadFile reads the layers lr of the keys idx (request indices) from en's
-// file into their blocks and verifies them.
-func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, en *entry, idx []int) {
+// file into their blocks and verifies them; buffered through the page
+// cache (on a mount that reads with O_DIRECT, as its readers chose:
+// the file's pages are dropped after).
+func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, en *entry, idx []int, buffered bool) {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	all := func(o Outcome, err error) {
 		for _, i := range idx {
@@ -164,12 +168,16 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	// gone from its path as much as one removed. Nor waiting on a named
 	// pipe put at the name (checkOpen; openData). A file its client
 	// pins hold open is read there (openLoad).
-	f, id, idErr, err := e.chk.openLoad(m, en)
+	f, id, idErr, err := e.chk.openLoad(m, en, buffered)
 	if err != nil {
 		all(e.shared.vanished(ctx, en, err))
 		return
 	}
 	defer f.Close()
+	if buffered && m.direct {
+		// Read through the page cache for its read-ahead, not to fill it.
+		defer dropPages(f)
+	}
 	corrupt := func(err error) {
 		e.st.corrupt.Add(1)
 		e.cfg.Logger.Warn("engine: corrupt file dropped", "path", en.Path, "err", err)
@@ -366,4 +374,11 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
 	}
 	return !bad
+}
+
+// dropPages asks the kernel to drop f's cached pages: a load that read
+// through the page cache for its read-ahead leaves the cache to the
+// machine's other users (best effort: the pages are clean).
+func dropPages(f fsys.File) {
+	_ = unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
 }

@@ -255,13 +255,6 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if st.ReadOnly {
 		mt.unwritable = syscall.EROFS
 	}
-	if !mt.memory {
-		n := e.cfg.IOWorkers
-		if m.LoadReaders > 0 {
-			n = min(m.LoadReaders, n)
-		}
-		mt.readers = iotune.New(iotune.Config{Max: n, Fixed: m.LoadReaders > 0, Now: e.cfg.Now})
-	}
 	switch {
 	case io == IOBuffered:
 		mt.ioWhy = "buffered by config"
@@ -314,6 +307,18 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	mt.spareless.Store(mt.unwritable != nil)
 	k, _ := fstype.Of(st.Type)
 	mt.network, mt.removalStales = k.Network, k.RemovalStales
+	if !mt.memory {
+		// A local disk read with O_DIRECT by choice (io = "auto") may
+		// have its loads read through the page cache where that is faster
+		// (loadFile drops the pages after). A network file system's
+		// page cache may hold another node's old bytes: never there.
+		n := e.cfg.IOWorkers
+		if m.LoadReaders > 0 {
+			n = min(m.LoadReaders, n)
+		}
+		mt.readers = iotune.New(iotune.Config{Max: n, Fixed: m.LoadReaders > 0, Buffered: !mt.direct,
+			Modes: mt.direct && io == IOAuto && !mt.network, Now: e.cfg.Now})
+	}
 	if k.CloseToOpen && !mt.direct {
 		// With O_DIRECT every write reaches the server before it returns.
 		mt.syncFirst = true

@@ -5,10 +5,14 @@ package engine
 import (
 	"context"
 	"math/rand/v2"
+	"os"
 	"testing"
+	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/iotune"
+	"golang.org/x/sys/unix"
 )
 
 // TestLoadsFromADiskMountPassThroughItsReaders: a disk mount's loads
@@ -57,6 +61,53 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 			}
 		})
 	}
+	t.Run("buffered loads of a direct mount leave no pages cached", func(t *testing.T) {
+		ctx := context.Background()
+		pol := newTestPolicy(1, abi.OrderLayerMajor)
+		dir := diskDir(t)
+		e := openEngine(t, Config{IOWorkers: 2, Mounts: []Mount{{Path: dir}}, NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
+		if !e.mounts[0].direct {
+			t.Fatalf("%s does not take O_DIRECT: nothing to compare", dir)
+		}
+		// The readers' arm, as tuning may choose it: buffered.
+		e.mounts[0].readers = iotune.New(iotune.Config{Max: 2, Fixed: true, Buffered: true})
+		g := smallGeometry(true)
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		const n = 4
+		c := newTestCache(t, e, ns, g, 2*n*g.BlocksPerKey(), layoutPlaneFirst)
+		r := rand.New(rand.NewPCG(3, 4))
+		keys := testKeys("b", n)
+		from := blockLists(r, n, g.BlocksPerKey(), 0)
+		want := make([][]byte, n)
+		for i := range keys {
+			c.fill(r, from[i])
+			want[i] = c.data(from[i])
+		}
+		storeAndCheck(t, e, c, keys, from)
+		loadAndCompare(t, e, c, keys, blockLists(r, n, g.BlocksPerKey(), n*g.BlocksPerKey()), want)
+		if !e.Stats().Mounts[0].LoadBuffered {
+			t.Fatal("the mount's stats do not say its loads read buffered")
+		}
+		files := dataFiles(t, dir)
+		if len(files) != n {
+			t.Fatalf("%d data files, want %d", len(files), n)
+		}
+		for _, f := range files {
+			if got := residentPages(t, f); got != 0 {
+				t.Errorf("%s: %d pages cached after a buffered load", f, got)
+			}
+		}
+		// The probe sees cached pages where a read leaves them.
+		if _, err := os.ReadFile(files[0]); err != nil {
+			t.Fatal(err)
+		}
+		if residentPages(t, files[0]) == 0 {
+			t.Fatal("a plain read left no page cached: the check above proves nothing here")
+		}
+	})
 	t.Run("a memory mount has none", func(t *testing.T) {
 		pol := newTestPolicy(1, abi.OrderLayerMajor)
 		e := openEngine(t, Config{Mounts: []Mount{{Path: shmDir(t)}}, NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
@@ -64,4 +115,37 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 			t.Fatal("a memory mount's loads are bounded by readers")
 		}
 	})
+}
+
+// residentPages returns how many of path's pages are in the page cache
+// (mincore over a mapping of it).
+func residentPages(t *testing.T, path string) int {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Size() == 0 {
+		return 0
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	page := os.Getpagesize()
+	vec := make([]byte, (len(mem)+page-1)/page)
+	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
+		t.Fatal(errno)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
 }

@@ -1,16 +1,18 @@
 // Package iotune bounds how many files the engine reads at once from one
-// mount, and tunes that bound by the throughput it measures.
+// mount, and how, and tunes both by the throughput it measures.
 //
-// Disks differ in the queue depth they like: on a virtio disk one reader
-// of 4 MiB O_DIRECT requests moved 2.0 GB/s where 16 to 64 moved 1.2 to
-// 1.65, while an NVMe drive or a network file system wants many requests
-// in flight. A Gate starts at its most readers and, while loads are
-// waiting for a reader (the mount is the bottleneck), measures the bytes
-// each reader count moves over windows of WindowBytes, moving one step
-// (half or double) at a time toward the best count it has measured.
-// Every measurement ages: a neighbour of the best count not measured for
-// Stale windows is measured again, so a count learned under other
-// conditions is never kept for good.
+// Disks differ in the queue depth and the I/O mode they like: on one
+// virtio disk one reader of 4 MiB O_DIRECT requests moved 2.0 GB/s where
+// 16 to 64 moved 1.2 to 1.65; on another, 64 buffered readers (the
+// kernel's read-ahead) moved 1.6 GB/s and 16 O_DIRECT ones 1.0; an NVMe
+// drive wants many O_DIRECT requests in flight. A Gate starts at its most
+// readers in the mount's mode (an Arm) and, while loads are waiting for
+// a reader (the mount is the bottleneck), measures the bytes each arm
+// moves over windows of WindowBytes, moving one step at a time (half or
+// double the readers, or, where Config.Modes allows, the other mode)
+// toward the best arm it has measured. Every measurement ages: a
+// neighbour of the best arm not measured for Stale windows is measured
+// again, so an arm learned under other conditions is never kept for good.
 package iotune
 
 import (
@@ -33,10 +35,22 @@ const (
 	hysteresis = 1.05
 )
 
+// Arm is how a mount's loads read: how many files at once, and whether
+// through the page cache.
+type Arm struct {
+	Readers  int  // files read at once at most
+	Buffered bool // read through the page cache, not O_DIRECT
+}
+
 // Config configures a Gate.
 type Config struct {
 	// Max is the most readers (at least 1); a Gate starts there.
 	Max int
+	// Buffered is the mode a Gate starts in: the mount's.
+	Buffered bool
+	// Modes lets tuning try the other mode too (a mount that reads with
+	// O_DIRECT by default, on a local disk).
+	Modes bool
 	// Fixed, if set, keeps the bound at Max: no tuning.
 	Fixed bool
 	// WindowBytes is the bytes of one measurement window (0:
@@ -54,7 +68,7 @@ type Config struct {
 type Gate struct {
 	cfg      Config
 	mu       sync.Mutex
-	limit    int
+	arm      Arm // the arm in force: its Readers bound inflight
 	inflight int
 	waiters  []chan struct{}
 	win      window
@@ -82,17 +96,19 @@ func New(cfg Config) *Gate {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	return &Gate{cfg: cfg, limit: cfg.Max, tune: newTuner(cfg.Max, cfg.Stale)}
+	return &Gate{cfg: cfg, arm: Arm{Readers: cfg.Max, Buffered: cfg.Buffered}, tune: newTuner(cfg.Max, cfg.Stale, cfg.Modes)}
 }
 
 // Acquire takes a reader, waiting while the bound is reached, or fails
-// with ctx's error.
-func (g *Gate) Acquire(ctx context.Context) error {
+// with ctx's error. It returns whether the reader reads through the page
+// cache (the arm in force when it was granted).
+func (g *Gate) Acquire(ctx context.Context) (buffered bool, err error) {
 	g.mu.Lock()
-	if g.inflight < g.limit && len(g.waiters) == 0 {
+	if g.inflight < g.arm.Readers && len(g.waiters) == 0 {
 		g.inflight++
+		b := g.arm.Buffered
 		g.mu.Unlock()
-		return nil
+		return b, nil
 	}
 	ch := make(chan struct{})
 	g.waiters = append(g.waiters, ch)
@@ -104,20 +120,22 @@ func (g *Gate) Acquire(ctx context.Context) error {
 	g.mu.Unlock()
 	select {
 	case <-ch:
-		return nil
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.arm.Buffered, nil
 	case <-ctx.Done():
 		g.mu.Lock()
 		defer g.mu.Unlock()
 		for i, w := range g.waiters {
 			if w == ch {
 				g.waiters = append(g.waiters[:i], g.waiters[i+1:]...)
-				return ctx.Err()
+				return false, ctx.Err()
 			}
 		}
 		// Granted meanwhile: handed on.
 		g.inflight--
 		g.grantLocked()
-		return ctx.Err()
+		return false, ctx.Err()
 	}
 }
 
@@ -130,14 +148,14 @@ func (g *Gate) Release(bytes int64) {
 		g.win.bytes += max(bytes, 0)
 		if g.win.bytes >= g.cfg.WindowBytes {
 			if d := g.cfg.Now().Sub(g.win.start); d > 0 && !g.cfg.Fixed {
-				next := g.tune.observe(g.limit, float64(g.win.bytes)/d.Seconds())
-				if next != g.limit {
-					g.limit = next
+				next := g.tune.observe(g.arm, float64(g.win.bytes)/d.Seconds())
+				if next != g.arm {
+					g.arm = next
 					g.changes++
 				}
 			}
 			g.win = window{active: len(g.waiters) > 0, start: g.cfg.Now()}
-		} else if len(g.waiters) == 0 && g.inflight < g.limit-1 {
+		} else if len(g.waiters) == 0 && g.inflight < g.arm.Readers-1 {
 			// Demand fell below the bound: the window measured the
 			// loads, not the mount.
 			g.win = window{}
@@ -148,7 +166,7 @@ func (g *Gate) Release(bytes int64) {
 
 // grantLocked wakes waiters while the bound allows.
 func (g *Gate) grantLocked() {
-	for len(g.waiters) > 0 && g.inflight < g.limit {
+	for len(g.waiters) > 0 && g.inflight < g.arm.Readers {
 		ch := g.waiters[0]
 		g.waiters = g.waiters[1:]
 		g.inflight++
@@ -158,73 +176,79 @@ func (g *Gate) grantLocked() {
 
 // Stats describes a Gate.
 type Stats struct {
-	Limit    int             // readers allowed now
+	Arm      Arm             // the arm in force
 	Max      int             // the most readers
 	Inflight int             // readers now
-	Changes  uint64          // times tuning moved the bound
-	Rates    map[int]float64 // per reader count, its last measured rate (bytes/s)
-	Ages     map[int]int     // per reader count, the windows since it was measured
+	Changes  uint64          // times tuning moved the arm
+	Rates    map[Arm]float64 // per arm, its last measured rate (bytes/s)
+	Ages     map[Arm]int     // per arm, the windows since it was measured
 }
 
 // Stats returns the Gate's state.
 func (g *Gate) Stats() Stats {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	s := Stats{Limit: g.limit, Max: g.cfg.Max, Inflight: g.inflight, Changes: g.changes,
-		Rates: make(map[int]float64, len(g.tune.rate)), Ages: make(map[int]int, len(g.tune.rate))}
+	s := Stats{Arm: g.arm, Max: g.cfg.Max, Inflight: g.inflight, Changes: g.changes,
+		Rates: make(map[Arm]float64, len(g.tune.rate)), Ages: make(map[Arm]int, len(g.tune.rate))}
 	for l, r := range g.tune.rate {
 		s.Rates[l], s.Ages[l] = r, g.tune.age[l]
 	}
 	return s
 }
 
-// tuner picks the reader count from measured rates: hill climbing over
-// halvings and doublings of max with measurements that age.
+// tuner picks the arm from measured rates: hill climbing over halvings
+// and doublings of the readers (and the other mode, with modes) with
+// measurements that age.
 type tuner struct {
 	max   int
 	stale int
-	rate  map[int]float64 // count -> last rate
-	age   map[int]int     // count -> windows since measured
-	home  int             // the count settled on (0: none yet)
+	modes bool
+	rate  map[Arm]float64 // arm -> last rate
+	age   map[Arm]int     // arm -> windows since measured
+	home  Arm             // the arm settled on (zero: none yet)
 }
 
-func newTuner(max, stale int) tuner {
-	return tuner{max: max, stale: stale, rate: map[int]float64{}, age: map[int]int{}}
+func newTuner(max, stale int, modes bool) tuner {
+	return tuner{max: max, stale: stale, modes: modes, rate: map[Arm]float64{}, age: map[Arm]int{}}
 }
 
-// neighbours returns the counts one step from l: half and double, within
-// 1..max (max itself where doubling passes it).
-func (t *tuner) neighbours(l int) []int {
-	var out []int
-	if l > 1 {
-		out = append(out, l/2)
+// neighbours returns the arms one step from a: half and double the
+// readers within 1..max (max itself where doubling passes it), and with
+// modes the other mode.
+func (t *tuner) neighbours(a Arm) []Arm {
+	var out []Arm
+	if a.Readers > 1 {
+		out = append(out, Arm{a.Readers / 2, a.Buffered})
 	}
-	if l < t.max {
-		out = append(out, min(2*l, t.max))
+	if a.Readers < t.max {
+		out = append(out, Arm{min(2*a.Readers, t.max), a.Buffered})
+	}
+	if t.modes {
+		out = append(out, Arm{a.Readers, !a.Buffered})
 	}
 	return out
 }
 
-// fresh reports whether count l has a measurement not yet stale.
-func (t *tuner) fresh(l int) bool {
-	_, ok := t.rate[l]
-	return ok && t.age[l] <= t.stale
+// fresh reports whether arm a has a measurement not yet stale.
+func (t *tuner) fresh(a Arm) bool {
+	_, ok := t.rate[a]
+	return ok && t.age[a] <= t.stale
 }
 
-// observe records count l's rate over one window and returns the count
-// to use next. The home count (the best so far) changes only to a
-// count that beats it by the hysteresis; the next count is a neighbour
-// of home that wants measuring (never measured, or stale), else home.
-func (t *tuner) observe(l int, rate float64) int {
+// observe records arm a's rate over one window and returns the arm to
+// use next. The home arm (the best so far) changes only to an arm that
+// beats it by the hysteresis; the next arm is a neighbour of home that
+// wants measuring (never measured, or stale), else home.
+func (t *tuner) observe(a Arm, rate float64) Arm {
 	for c := range t.age {
 		t.age[c]++
 	}
-	if t.fresh(l) {
-		rate = (t.rate[l] + rate) / 2 // a fresh count's rate is averaged, a stale one's replaced
+	if t.fresh(a) {
+		rate = (t.rate[a] + rate) / 2 // a fresh arm's rate is averaged, a stale one's replaced
 	}
-	t.rate[l], t.age[l] = rate, 0
-	if t.home == 0 || !t.fresh(t.home) || rate > t.rate[t.home]*hysteresis {
-		t.home = l
+	t.rate[a], t.age[a] = rate, 0
+	if t.home.Readers == 0 || !t.fresh(t.home) || rate > t.rate[t.home]*hysteresis {
+		t.home = a
 	}
 	for _, n := range t.neighbours(t.home) {
 		if !t.fresh(n) {

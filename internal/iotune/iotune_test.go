@@ -9,82 +9,106 @@ import (
 	"time"
 )
 
-// disk is a model of a mount: its rate (bytes/s) at each reader count.
-type disk func(readers int) float64
+// disk is a model of a mount: its rate (bytes/s) at each arm.
+type disk func(a Arm) float64
 
 var (
-	// virtio is the H200 machine's virtio disk as measured with plain
-	// reads: one O_DIRECT reader fastest, many slower.
-	virtio disk = func(n int) float64 { return 2.0e9 / (1 + 0.03*float64(n-1)) }
-	// nvme wants many requests in flight.
-	nvme disk = func(n int) float64 { return 6.5e9 * min(float64(n), 12) / 12 }
-	// flat is the same at every count.
-	flat disk = func(int) float64 { return 1e9 }
+	// virtio is one H200 machine's virtio disk as measured with plain
+	// reads: one O_DIRECT reader fastest, many slower; buffered no
+	// better.
+	virtio disk = func(a Arm) float64 {
+		r := 2.0e9 / (1 + 0.03*float64(a.Readers-1))
+		if a.Buffered {
+			r *= 0.8
+		}
+		return r
+	}
+	// readahead is another's: buffered readers (the kernel's read-ahead)
+	// ahead of O_DIRECT ones, more of them better.
+	readahead disk = func(a Arm) float64 {
+		if a.Buffered {
+			return 1.6e9 * min(float64(a.Readers), 8) / 8
+		}
+		return 1.0e9
+	}
+	// nvme wants many O_DIRECT requests in flight.
+	nvme disk = func(a Arm) float64 {
+		r := 6.5e9 * min(float64(a.Readers), 12) / 12
+		if a.Buffered {
+			r *= 0.7
+		}
+		return r
+	}
+	// flat is the same at every arm.
+	flat disk = func(Arm) float64 { return 1e9 }
 )
 
 // drive runs windows of a saturated mount of rate d through the tuner,
-// starting at t's max, and returns the counts it used, window by window.
-func drive(t *tuner, d disk, start, windows int) []int {
-	l, used := start, make([]int, 0, windows)
+// starting at start, and returns the arms it used, window by window.
+func drive(t *tuner, d disk, start Arm, windows int) []Arm {
+	a, used := start, make([]Arm, 0, windows)
 	for range windows {
-		used = append(used, l)
-		l = t.observe(l, d(l))
+		used = append(used, a)
+		a = t.observe(a, d(a))
 	}
 	return used
 }
 
-func TestTunerSettlesOnTheFastestReaderCount(t *testing.T) {
+func TestTunerSettlesOnTheFastestArm(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		d    disk
-		max  int
-		want int
+		name  string
+		d     disk
+		max   int
+		modes bool
+		want  Arm
 	}{
-		{"virtio prefers few readers", virtio, 16, 2}, // 1 is within the hysteresis of 2
-		{"nvme prefers many", nvme, 16, 16},
-		{"a flat disk stays at its start", flat, 16, 16},
-		{"a max that is no power of two is reached", nvme, 24, 24},
+		{"virtio prefers few direct readers", virtio, 16, true, Arm{2, false}},      // 1 is within the hysteresis of 2
+		{"read-ahead prefers buffered readers", readahead, 16, true, Arm{16, true}}, // 8 and 16 move alike: it stays
+		{"without modes it stays direct", readahead, 16, false, Arm{16, false}},
+		{"nvme prefers many direct", nvme, 16, true, Arm{16, false}},
+		{"a flat disk stays at its start", flat, 16, true, Arm{16, false}},
+		{"a max that is no power of two is reached", nvme, 24, true, Arm{24, false}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tu := newTuner(tc.max, DefaultStale)
-			used := drive(&tu, tc.d, tc.max, 64)
-			// Settled: the most windows of the last 32 at the count wanted
+			tu := newTuner(tc.max, DefaultStale, tc.modes)
+			used := drive(&tu, tc.d, Arm{tc.max, false}, 96)
+			// Settled: the most windows of the last 48 at the arm wanted
 			// (the rest re-measure its neighbours, each once in Stale).
 			at := 0
-			for _, l := range used[32:] {
-				if l == tc.want {
+			for _, a := range used[48:] {
+				if a == tc.want {
 					at++
 				}
 			}
-			if at < 32-2*32/DefaultStale-2 {
-				t.Fatalf("%d of the last 32 windows at %d readers; counts used: %v", at, tc.want, used)
+			if at < 48-3*48/DefaultStale-3 {
+				t.Fatalf("%d of the last 48 windows at %+v; arms used: %v", at, tc.want, used)
 			}
 		})
 	}
 }
 
 func TestTunerFindsItsWayBackWhenTheDiskChanges(t *testing.T) {
-	tu := newTuner(16, DefaultStale)
-	used := drive(&tu, virtio, 16, 48)
-	if used[len(used)-1] > 2 {
-		t.Fatalf("on the virtio disk it ended at %d readers: %v", used[len(used)-1], used)
+	tu := newTuner(16, DefaultStale, true)
+	used := drive(&tu, virtio, Arm{16, false}, 64)
+	if last := used[len(used)-1]; last.Readers > 2 || last.Buffered {
+		t.Fatalf("on the virtio disk it ended at %+v: %v", last, used)
 	}
 	// The same mount now behaves as an NVMe drive (another load, a
 	// cleared host cache): the count must climb back to the most.
-	used = drive(&tu, nvme, used[len(used)-1], 6*DefaultStale)
-	if last := used[len(used)-1]; last != 16 {
-		t.Fatalf("after the disk changed it stayed at %d readers: %v", last, used)
+	used = drive(&tu, nvme, used[len(used)-1], 8*DefaultStale)
+	if last := used[len(used)-1]; last != (Arm{16, false}) {
+		t.Fatalf("after the disk changed it stayed at %+v: %v", last, used)
 	}
 }
 
 func TestTunerIgnoresDifferencesWithinItsHysteresis(t *testing.T) {
 	// 2% apart: noise, not a better count.
-	near := func(n int) float64 { return 1e9 * (1 + 0.02*float64(n%2)) }
-	tu := newTuner(16, DefaultStale)
-	used := drive(&tu, near, 16, 40)
-	for i, l := range used {
-		if l != 16 && l != 8 {
-			t.Fatalf("window %d at %d readers: it left 16 for a rate within 5%%: %v", i, l, used)
+	near := func(a Arm) float64 { return 1e9 * (1 + 0.02*float64(a.Readers%2)) }
+	tu := newTuner(16, DefaultStale, false)
+	used := drive(&tu, near, Arm{16, false}, 40)
+	for i, a := range used {
+		if a.Readers != 16 && a.Readers != 8 {
+			t.Fatalf("window %d at %+v: it left 16 readers for a rate within 5%%: %v", i, a, used)
 		}
 	}
 }
@@ -117,7 +141,7 @@ func TestGateNeverLetsMoreReadersInThanItsLimit(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := g.Acquire(ctx); err != nil {
+			if _, err := g.Acquire(ctx); err != nil {
 				t.Error(err)
 				return
 			}
@@ -135,19 +159,22 @@ func TestGateNeverLetsMoreReadersInThanItsLimit(t *testing.T) {
 	if most > 3 {
 		t.Fatalf("%d readers at once, limit 3", most)
 	}
-	if s := g.Stats(); s.Inflight != 0 || s.Limit != 3 {
+	if s := g.Stats(); s.Inflight != 0 || s.Arm.Readers != 3 {
 		t.Fatalf("after every release: %+v", s)
 	}
 }
 
 func TestGateAcquireEndsWithItsContextAndLosesNoReader(t *testing.T) {
 	g := New(Config{Max: 1, Fixed: true})
-	if err := g.Acquire(context.Background()); err != nil {
+	if _, err := g.Acquire(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- g.Acquire(ctx) }()
+	go func() {
+		_, err := g.Acquire(ctx)
+		done <- err
+	}()
 	// Wait until it waits, then cancel it.
 	for {
 		g.mu.Lock()
@@ -166,7 +193,7 @@ func TestGateAcquireEndsWithItsContextAndLosesNoReader(t *testing.T) {
 	// The reader is free again: taken at once.
 	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel2()
-	if err := g.Acquire(ctx2); err != nil {
+	if _, err := g.Acquire(ctx2); err != nil {
 		t.Fatalf("the reader given back was lost: %v", err)
 	}
 }
@@ -177,7 +204,7 @@ func TestGateAcquireEndsWithItsContextAndLosesNoReader(t *testing.T) {
 func TestGateTunesItsLimitFromTheRateOfSaturatedWindows(t *testing.T) {
 	clk := &clock{now: time.Unix(0, 0)}
 	const file = 4 << 20
-	g := New(Config{Max: 16, WindowBytes: 64 << 20, Now: clk.Now})
+	g := New(Config{Max: 16, Modes: true, WindowBytes: 64 << 20, Now: clk.Now})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var wg sync.WaitGroup
@@ -189,7 +216,7 @@ func TestGateTunesItsLimitFromTheRateOfSaturatedWindows(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			_ = g.Acquire(ctx)
+			_, _ = g.Acquire(ctx)
 		}()
 	}
 	waiting := func() int {
@@ -212,11 +239,11 @@ func TestGateTunesItsLimitFromTheRateOfSaturatedWindows(t *testing.T) {
 		}
 		// One reader ends its file: as long as one file takes at the
 		// rate of the readers in force.
-		clk.advance(time.Duration(float64(file) / virtio(g.Stats().Limit) * float64(time.Second)))
+		clk.advance(time.Duration(float64(file) / virtio(g.Stats().Arm) * float64(time.Second)))
 		g.Release(file)
 	}
 	s := g.Stats()
-	if s.Limit > 4 || s.Changes == 0 {
-		t.Fatalf("after 4000 files at the virtio disk's rates the limit is %d (%d changes); rates %v", s.Limit, s.Changes, s.Rates)
+	if s.Arm.Readers > 4 || s.Arm.Buffered || s.Changes == 0 {
+		t.Fatalf("after 4000 files at the virtio disk's rates the arm is %+v (%d changes); rates %v", s.Arm, s.Changes, s.Rates)
 	}
 }

@@ -286,6 +286,7 @@ var (
 	dBudgetKept         = desc("kvhost_budget_floor_skips_total", "Eviction victims skipped because taking them would cross a budget's floor, by its model pattern: a rising count beside store failures for no space means the floors hold the mount.", "budget")
 	dMountCap           = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
 	dMountReaders       = desc("kvhost_mount_load_readers", "Files loads read at once from a mount at most, now: mount.load_readers, or as tuned by measured throughput where it is 0; absent on a memory file system.", "mount")
+	dMountBuffered      = desc("kvhost_mount_load_buffered", "1 where a mount's loads read through the page cache now (mount.io, or as tuned on a local disk read with O_DIRECT by default), else 0; absent on a memory file system.", "mount")
 	dMountUsed          = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
 	dMountFree          = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
 	dMountFSFree        = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs), as it last answered; absent where it never answered or its last statfs failed.", "mount")
@@ -448,6 +449,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(dMountUsed, float64(mt.Used), mt.Path)
 			if mt.LoadReaders > 0 {
 				gauge(dMountReaders, float64(mt.LoadReaders), mt.Path)
+				buffered := 0.0
+				if mt.LoadBuffered {
+					buffered = 1
+				}
+				gauge(dMountBuffered, buffered, mt.Path)
 			}
 			gauge(dMountFree, float64(max(mt.Capacity-mt.Used, 0)), mt.Path)
 			gauge(dMountEntries, float64(mt.Entries), mt.Path)

@@ -63,7 +63,7 @@ func fullSources(dir, refusing string) Sources {
 					{Fingerprint: 1, Files: 1, Keys: 1, Bytes: 4096}},
 				Budgets: []BudgetStats{{Model: "vllm:m:*", Bytes: 64 << 20, Budget: 32 << 20, Floor: 16 << 20, Over: 9, Kept: 2}},
 				Tiering: TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3},
-				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4},
+				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4, LoadBuffered: true},
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: true}}}
 		},
 		Server: func() ServerStats {
@@ -246,6 +246,9 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	}
 	if got := metricstest.Value(fams, "kvhost_mount_load_readers", mount); got != 4 {
 		t.Errorf("load readers of the mount: %v, want 4", got)
+	}
+	if got := metricstest.Value(fams, "kvhost_mount_load_buffered", mount); got != 1 {
+		t.Errorf("the mount's loads read buffered: %v, want 1", got)
 	}
 	if got := metricstest.Value(fams, "kvhost_mount_fs_available_bytes", mount); got != fsAvail {
 		t.Errorf("file-system free space for the mount: %v, want %v", got, fsAvail)

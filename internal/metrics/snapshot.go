@@ -106,6 +106,8 @@ type MountStats struct {
 	// LoadReaders is the most files loads read at once from the mount
 	// now; 0 where there is no such bound (a memory file system).
 	LoadReaders int
+	// LoadBuffered: the mount's loads read through the page cache now.
+	LoadBuffered bool
 	// StoresFailing: the mount refuses stores now (its most recent
 	// stores failed for a reason of its own).
 	StoresFailing bool
