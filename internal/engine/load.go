@@ -174,8 +174,10 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		return
 	}
 	defer f.Close()
-	if buffered && m.direct {
-		// Read through the page cache for its read-ahead, not to fill it.
+	if buffered && m.direct && lr.all() {
+		// Read through the page cache for its read-ahead, not to fill
+		// it. A layer range leaves them: the read-ahead holds the next
+		// layers, which the key's next layer job reads.
 		defer dropPages(f)
 	}
 	corrupt := func(err error) {
