@@ -293,15 +293,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if check {
 		sums = make([]uint32, plan.Sums)
 	}
-	io := e.busy.io.Begin()
-	_, err = mv.ReadFile(ctx, f, plan, sums)
-	if err == nil && check {
-		// The bytes of blocks (or layers) not loaded still feed the
-		// checksums of the keys (or layers) they belong to.
-		err = sk.read(ctx, f, sums)
-	}
-	e.busy.io.End(io)
-	if err != nil {
+	if err := readPlan(ctx, mv, f, plan, sk, sums, &e.busy.io); err != nil {
 		ok := true
 		if isShort(err) {
 			// Truncated while we read it.
@@ -322,55 +314,18 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return false
 	}
-	var mismatched []bool // file key -> its checksum failed
-	var what []string     // file key -> what failed, as loaded
+	var errs []error // file key -> why it failed; nil: all verified
+	bad := false
+	if check {
+		errs, bad = verifyRead(ctx, f, h, sk, sums, read, en.Path)
+	}
 	for _, k := range read {
-		if check {
-			if layer, got, want, mis := sk.mismatch(h, k, sums); mis {
-				if mismatched == nil {
-					mismatched, what = make([]bool, len(h.Keys)), make([]string, len(h.Keys))
-				}
-				mismatched[k] = true
-				what[k] = fmt.Sprintf("payload checksum 0x%08x, want 0x%08x", got, want)
-				if layer >= 0 {
-					what[k] = fmt.Sprintf("layer %d checksum 0x%08x, want 0x%08x", layer, got, want)
-				}
-				continue
-			}
+		if errs != nil && errs[k] != nil {
+			set(dst[k], OutcomeFailed, errs[k])
+			continue
 		}
 		set(dst[k], OutcomeLoaded, nil)
-		if lr.First == 0 {
-			e.st.hits.Add(1) // one per layer-wise load of the key (runLoad)
-		}
-		e.st.loads.Add(1)
-		if by == verifyKeys && !lr.all() {
-			e.st.layersByKey.Add(1)
-		}
-		// The bytes read: those loaded, and those read only to verify
-		// the key; the job's bytes are those it loaded.
-		e.st.read.Add(uint64(sk.moved[k] + sk.skipped[k]))
-		j.bytes.Add(sk.moved[k])
-	}
-	if mismatched == nil {
-		return true
-	}
-	// The checksums were computed from the destination blocks, which the
-	// client can write: only a private re-read tells a corrupt file from
-	// blocks changed under the load. It reads and checks whole keys (a
-	// key whose layer failed is corrupt if the key is).
-	private, err := recheck(ctx, f, h, mismatched)
-	bad := errors.Is(err, ErrCorrupt)
-	for k, mis := range mismatched {
-		switch {
-		case !mis:
-		case err != nil:
-			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: %s; re-reading: %w", en.Path, k, what[k], err))
-		case private[k] != h.Keys[k].Sum:
-			bad = true
-			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.Path, k, private[k], h.Keys[k].Sum))
-		default:
-			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", ErrDestinationChanged, en.Path, k))
-		}
+		e.st.loaded(j, lr, by == verifyKeys, sk.moved[k]+sk.skipped[k], sk.moved[k])
 	}
 	if bad {
 		corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))

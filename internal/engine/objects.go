@@ -264,17 +264,9 @@ func (o *objectTier) load(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
 		return
 	}
-	k, err := h.Match(fp, key)
+	k, err := checkObjectHeader(h, c.ns, key)
 	if err != nil {
-		bad(fmt.Errorf("%w: object of key %x holds another: %w", ErrCorrupt, key, err))
-		return
-	}
-	if g := c.ns.geo; int(h.Layers) != g.Layers || int(h.Planes) != g.Planes() || int(h.BlocksPerKey) != g.BlocksPerKey() || int64(h.BlockBytes) != g.BlockBytes() {
-		bad(fmt.Errorf("%w: object of key %x: its geometry (%d layers, %d planes, %d blocks of %d bytes) is not its namespace's", ErrCorrupt, key, h.Layers, h.Planes, h.BlocksPerKey, h.BlockBytes))
-		return
-	}
-	if h.Flags&format.FlagPayloadSums == 0 {
-		bad(fmt.Errorf("%w: object of key %x has no payload checksums, and objects are verified on every load", ErrCorrupt, key))
+		bad(err)
 		return
 	}
 	want := make([]bool, len(h.Keys))
@@ -289,12 +281,7 @@ func (o *objectTier) load(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	}
 	plan, sk := c.plan(h, want, func(int) []int { return blocks[i] }, &mount{}, lr, by)
 	sums := make([]uint32, plan.Sums)
-	io := o.io.Begin()
-	_, err = obj.Mover().ReadFile(ctx, f, plan, sums)
-	if err == nil {
-		err = sk.read(ctx, f, sums)
-	}
-	o.io.End(io)
+	err = readPlan(ctx, obj.Mover(), f, plan, sk, sums, o.io)
 	if isShort(err) {
 		bad(fmt.Errorf("%w: object of key %x: %w", ErrCorrupt, key, err))
 		return
@@ -303,21 +290,15 @@ func (o *objectTier) load(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
 		return
 	}
-	if layer, got, wantSum, mis := sk.mismatch(h, k, sums); mis {
-		// The blocks are the client's: only a private re-read tells a
-		// corrupt object from blocks changed under the load.
-		private, err := recheck(ctx, f, h, want)
-		switch {
-		case err != nil:
-			set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: checksum 0x%08x (layer %d), want 0x%08x; re-reading: %w", key, got, layer, wantSum, err))
-		case private[k] != h.Keys[k].Sum:
-			bad(fmt.Errorf("%w: object of key %x: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, key, private[k], h.Keys[k].Sum))
-		default:
-			set(OutcomeFailed, fmt.Errorf("%w: object of key %x", ErrDestinationChanged, key))
-		}
+	switch errs, corrupt := verifyRead(ctx, f, h, sk, sums, []int{k}, fmt.Sprintf("object of key %x", key)); {
+	case corrupt:
+		bad(errs[k])
+		return
+	case errs != nil:
+		set(OutcomeFailed, errs[k])
 		return
 	}
-	o.loaded(j, i, lr, sk.moved[k]+sk.skipped[k], sk.moved[k])
+	o.loaded(j, i, lr, by == verifyKeys, sk.moved[k]+sk.skipped[k], sk.moved[k])
 	if o.promoting(lr) && !slices.Contains(blocks[i], NoBlock) {
 		o.promoteFromBlocks(c, h, k, blocks[i])
 	}
@@ -350,16 +331,29 @@ func (o *objectTier) promoteFromBlocks(c *cache, h *format.Header, k int, blocks
 	o.promoter.offer(promotion{ns: c.ns.id, fp: c.ns.fp, geo: c.ns.geo, key: bytes.Clone(h.Keys[k].Key), h: h, k: k, obj: obj})
 }
 
-// loaded sets key i of j loaded from the object mount and counts it: read
-// bytes read, moved of them into the blocks.
-func (o *objectTier) loaded(j *Job, i int, lr LayerRange, read, moved int64) {
+// loaded sets key i of j loaded from the object mount and counts it
+// (counters.loaded).
+func (o *objectTier) loaded(j *Job, i int, lr LayerRange, byKey bool, read, moved int64) {
 	j.res.Keys[i] = KeyResult{Outcome: OutcomeLoaded}
-	if lr.First == 0 {
-		o.st.hits.Add(1)
+	o.st.loaded(j, lr, byKey, read, moved)
+}
+
+// checkObjectHeader checks the header h of key's object against the
+// namespace ns, whose object it is meant to be: it returns the key's
+// index in h, or an error wrapping ErrCorrupt where h names another
+// namespace or key, another geometry, or no payload checksums (every
+// load from the object mount is verified).
+func checkObjectHeader(h *format.Header, ns *namespace, key []byte) (int, error) {
+	k, err := h.Match(ns.fp, key)
+	switch {
+	case err != nil:
+		return 0, fmt.Errorf("%w: object of key %x holds another: %w", ErrCorrupt, key, err)
+	case !ofGeometry(h, ns.geo):
+		return 0, fmt.Errorf("%w: object of key %x: its geometry (%d layers, %d planes, %d blocks of %d bytes) is not its namespace's", ErrCorrupt, key, h.Layers, h.Planes, h.BlocksPerKey, h.BlockBytes)
+	case h.Flags&format.FlagPayloadSums == 0:
+		return 0, fmt.Errorf("%w: object of key %x has no payload checksums, and objects are verified on every load", ErrCorrupt, key)
 	}
-	o.st.loads.Add(1)
-	o.st.read.Add(uint64(read))
-	j.bytes.Add(moved)
+	return k, nil
 }
 
 // loadBounced loads key k of the object open as f, whose header h
@@ -409,7 +403,7 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
 		return
 	}
-	o.loaded(j, i, lr, h.FileLen(), sk.moved[k])
+	o.loaded(j, i, lr, false, h.FileLen(), sk.moved[k])
 	if o.promoting(lr) {
 		// The object, verified in b, is promoted from there: b goes
 		// back to the pool once the promotion has copied it.

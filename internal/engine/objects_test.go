@@ -370,3 +370,45 @@ func TestObjectLoadsIntoDeviceMemoryThroughAVerifiedBounce(t *testing.T) {
 		t.Fatal("the mover moved a corrupted object's bytes")
 	}
 }
+
+// changedDestinations is a mover whose loads see their destination
+// blocks change under them: each ReadFile's first checksum slot comes
+// back altered, as where the client wrote its blocks while they were
+// loaded, once armed.
+type changedDestinations struct {
+	transfer.Mover
+	armed atomic.Bool
+}
+
+func (m *changedDestinations) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	n, err := m.Mover.ReadFile(ctx, f, p, sums)
+	if err == nil && len(sums) > 0 && m.armed.Load() {
+		sums[0] ^= 1
+	}
+	return n, err
+}
+
+// TestAnObjectLoadWhoseBlocksChangedDoesNotBlameTheObject: a load from
+// the object mount whose checksum, computed from the client's blocks,
+// fails while a private re-read of the object verifies fails the key
+// with ErrDestinationChanged; the object is not reported bad, and loads
+// with its bytes afterwards.
+func TestAnObjectLoadWhoseBlocksChangedDoesNotBlameTheObject(t *testing.T) {
+	objs, _, nb, keys, want := objectPair(t, "changed", 1)
+	mv := &changedDestinations{Mover: objs.mv}
+	objs.mv = mv
+	mv.armed.Store(true)
+	into := [][]int{{16, 17, 18, 19}}
+	res := wait(t)(nb.e.Load(context.Background(), LoadRequest{Cache: nb.c.id, Keys: keys, Blocks: into}))
+	if o, err := res.Keys[0].Outcome, res.Keys[0].Err; o != OutcomeFailed || !errors.Is(err, ErrDestinationChanged) || errors.Is(err, ErrCorrupt) {
+		t.Fatalf("load whose blocks changed: %v (%v), want failed with ErrDestinationChanged", o, err)
+	}
+	objs.mu.Lock()
+	bad := len(objs.bad)
+	objs.mu.Unlock()
+	if bad != 0 || nb.e.Stats().Corrupt != 0 {
+		t.Fatalf("%d objects reported bad, %d corrupt; want none: the object is good", bad, nb.e.Stats().Corrupt)
+	}
+	mv.armed.Store(false)
+	loadAndCompare(t, nb.e, nb.c, keys, into, want)
+}

@@ -167,8 +167,7 @@ func (s *sharedDir) vanished(ctx context.Context, en *entry, err error) (Outcome
 // its length is not this geometry's (error).
 func (s *sharedDir) replaced(ctx context.Context, ns *namespace, m *mount, en *entry, h *format.Header, id fsys.Identity, idErr error) (*entry, error) {
 	g := ns.geo
-	if h.Fingerprint != ns.fp || h.Layers != uint32(g.Layers) || h.Planes != uint32(g.Planes()) ||
-		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
+	if h.Fingerprint != ns.fp || !ofGeometry(h, g) {
 		// Replaced by a file of another geometry: not ours to judge.
 		s.rm.dropVanished(ctx, en, "replaced by another geometry")
 		return en, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.Path, format.ErrFingerprint)
