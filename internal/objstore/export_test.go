@@ -42,12 +42,17 @@ func (r Raw) ParallelGet(ctx context.Context, names []string, size, rangeSize in
 	errs := make(chan error, 1)
 	var wg sync.WaitGroup
 	for i, name := range names {
-		for off := int64(0); off < size; off += rangeSize {
+		for off := int64(0); off < size; {
+			// As File.ReadvAt: a remainder shorter than a quarter of
+			// rangeSize goes with the range before it.
+			end := min(off+rangeSize, size)
+			if size-end < rangeSize/4 {
+				end = size
+			}
 			sem <- struct{}{}
 			wg.Add(1)
-			go func() {
+			go func(off, end int64) {
 				defer func() { <-sem; wg.Done() }()
-				end := min(off+rangeSize, size)
 				rng := fmt.Sprintf("bytes=%d-%d", off, end-1)
 				out, err := r.s.client.GetObject(ctx, &s3.GetObjectInput{Bucket: &r.s.cfg.Bucket, Key: &name, Range: &rng})
 				if err == nil {
@@ -60,7 +65,8 @@ func (r Raw) ParallelGet(ctx context.Context, names []string, size, rangeSize in
 					default:
 					}
 				}
-			}()
+			}(off, end)
+			off = end
 		}
 	}
 	wg.Wait()

@@ -68,9 +68,11 @@ func describe(err error) error {
 }
 
 // Open opens key's object for reading (engine.Objects): no request until
-// the first read. Each read is one ranged GET, or several in parallel for
-// a read larger than Config.RangeSize, each bounded by the request
-// timeout and by ctx.
+// the first read. A first read at offset 0 of at most Config.RangeSize
+// (the header) reads the object's first RangeSize bytes, which later
+// reads take from memory; every other read is ranged GETs straight into
+// the caller's buffers, several in parallel for a read larger than
+// RangeSize, each bounded by the request timeout and by ctx.
 func (s *Store) Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error) {
 	name := s.Name(fp, key)
 	s.touch(name) // a use, which evictions rank by
@@ -83,6 +85,16 @@ type File struct {
 	s    *Store
 	ctx  context.Context
 	name string
+
+	// mu guards head: the object's first bytes, read by the first read
+	// (at offset 0, of at most RangeSize) as one GET of RangeSize, so
+	// that the header's request brings the payload's first range with
+	// it (fewer requests per load, and none of a few KiB alone). It
+	// holds the whole object where that is shorter than RangeSize
+	// (whole); nil until read and after Close.
+	mu    sync.RWMutex
+	head  *[]byte
+	whole bool
 }
 
 // ReadAt reads len(p) bytes at off, as io.ReaderAt: io.EOF where the
@@ -96,8 +108,10 @@ func (f *File) ReadAt(p []byte, off int64) (int, error) {
 }
 
 // ReadvAt reads into bufs in order from off, as preadv: fewer bytes where
-// the object ends first, 0 at its end. A read larger than RangeSize is
-// split into ranges read in parallel; every range ends in a buffer's
+// the object ends first, 0 at its end. The bytes of the object's head
+// (see File) come from memory; the rest is read by ranges of RangeSize,
+// aligned to it, in parallel, the last one taking a remainder shorter
+// than a quarter of RangeSize with it: every range ends in a buffer's
 // bytes, never in the daemon's.
 func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 	var total int64
@@ -108,10 +122,34 @@ func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 		return 0, nil
 	}
 	rs := f.s.cfg.RangeSize
-	if total <= rs {
-		return f.get(bufs, off)
+	f.mu.Lock()
+	if f.head == nil && off == 0 && total <= rs {
+		if err := f.readHead(); err != nil {
+			f.mu.Unlock()
+			return 0, err
+		}
 	}
-	// Ranges of RangeSize, each its own sub-slices of bufs.
+	f.mu.Unlock()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var n int64 // bytes read into bufs, from off
+	if f.head != nil && off < int64(len(*f.head)) {
+		head := (*f.head)[off:]
+		for _, b := range bufs {
+			c := copy(b, head)
+			head, n = head[c:], n+int64(c)
+			if c < len(b) {
+				break
+			}
+		}
+		if n == total || f.whole {
+			return int(n), nil
+		}
+	} else if f.head != nil && f.whole {
+		return 0, nil // past the object's end
+	}
+	// Ranges that end at multiples of RangeSize, each its own sub-slices
+	// of bufs, the last one taking a short remainder with it.
 	type rng struct {
 		bufs [][]byte
 		off  int64
@@ -120,21 +158,17 @@ func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 		err  error
 	}
 	var ranges []*rng
-	cur := &rng{off: off}
-	for _, b := range bufs {
-		for len(b) > 0 {
-			take := min(int64(len(b)), rs-cur.want)
-			cur.bufs = append(cur.bufs, b[:take])
-			cur.want += take
-			b = b[take:]
-			if cur.want == rs {
-				ranges = append(ranges, cur)
-				cur = &rng{off: cur.off + cur.want}
-			}
+	for at := n; at < total; {
+		end := min(total, (off+at)/rs*rs+rs-off)
+		if total-end < rs/4 {
+			end = total
 		}
+		ranges = append(ranges, &rng{bufs: within(bufs, at, end), off: off + at, want: end - at})
+		at = end
 	}
-	if cur.want > 0 {
-		ranges = append(ranges, cur)
+	if len(ranges) == 1 {
+		got, err := f.get(ranges[0].bufs, ranges[0].off)
+		return int(n) + got, err
 	}
 	var wg sync.WaitGroup
 	for _, r := range ranges {
@@ -146,17 +180,47 @@ func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 	}
 	wg.Wait()
 	// The bytes read up to the first range that fell short or failed.
-	var n int
 	for _, r := range ranges {
-		n += r.n
+		n += int64(r.n)
 		if r.err != nil {
-			return n, r.err
+			return int(n), r.err
 		}
 		if int64(r.n) < r.want {
-			return n, nil
+			return int(n), nil
 		}
 	}
-	return n, nil
+	return int(n), nil
+}
+
+// readHead reads the object's first RangeSize bytes into head, f.mu held.
+func (f *File) readHead() error {
+	p := f.s.heads.Get().(*[]byte)
+	n, err := f.get([][]byte{*p}, 0)
+	if err != nil {
+		f.s.heads.Put(p)
+		return err
+	}
+	h := (*p)[:n]
+	f.head, f.whole = &h, int64(n) < f.s.cfg.RangeSize
+	return nil
+}
+
+// within returns the sub-slices of bufs that hold their bytes from
+// from to to, counted over bufs in order.
+func within(bufs [][]byte, from, to int64) [][]byte {
+	var out [][]byte
+	var at int64
+	for _, b := range bufs {
+		l := int64(len(b))
+		if at+l > from && at < to {
+			out = append(out, b[max(from-at, 0):min(to-at, l)])
+		}
+		at += l
+		if at >= to {
+			break
+		}
+	}
+	return out
 }
 
 // get reads one range into bufs with one GET: fewer bytes where the
@@ -223,8 +287,18 @@ func (f *File) Allocate(int64) error { return ErrReadOnly }
 // Sync does nothing: there is nothing written to flush.
 func (f *File) Sync() error { return nil }
 
-// Close does nothing: a File holds no connection between reads.
-func (f *File) Close() error { return nil }
+// Close gives back the memory of the object's head; a File holds no
+// connection between reads. Reads after Close read the object again.
+func (f *File) Close() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.head != nil {
+		h := (*f.head)[:cap(*f.head)]
+		f.s.heads.Put(&h)
+		f.head, f.whole = nil, false
+	}
+	return nil
+}
 
 // Fd returns ^uintptr(0): an object has no descriptor, and a mover that
 // needs one (cuFile) must not be given a File.

@@ -74,8 +74,10 @@ type Config struct {
 	// PartSize is the part of a multipart upload, and the largest object
 	// uploaded by one PUT (DefaultPartSize; at least 5 MiB, S3's least).
 	PartSize int64
-	// RangeSize is the most one ranged GET of a load reads
-	// (DefaultRangeSize): a larger read is split into ranges in parallel.
+	// RangeSize is the bytes of one ranged GET of a load
+	// (DefaultRangeSize): the header's GET reads as much, a larger read
+	// is split into ranges in parallel, aligned to it, a remainder under
+	// a quarter of it read with the last (File.ReadvAt).
 	RangeSize int64
 	// Requests bounds the GETs and part uploads in flight at once, over
 	// every load and upload (DefaultRequests).
@@ -188,6 +190,10 @@ type Store struct {
 	// listing finds them.
 	deleting map[string]struct{}
 
+	// heads is the memory of the Files' heads (File.head): slices of
+	// RangeSize bytes.
+	heads sync.Pool
+
 	// room serializes the evictions that make room within Capacity.
 	room sync.Mutex
 	// onGone, where set (OnGone), is told of every object that left the
@@ -271,7 +277,9 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 // newStore returns a Store on client, knowing of no object yet, with
 // nothing started.
 func newStore(cfg Config, client *s3.Client) *Store {
-	return &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: newKnown(nil), deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
+	s := &Store{cfg: cfg, client: client, reqs: make(chan struct{}, cfg.Requests), present: newKnown(nil), deleting: map[string]struct{}{}, queue: make(chan upload, cfg.Queue)}
+	s.heads.New = func() any { b := make([]byte, cfg.RangeSize); return &b }
+	return s
 }
 
 // Close stops the uploads and listings. Uploads under way are abandoned

@@ -80,6 +80,13 @@ func openNode(t testing.TB, dir string, cfg objstore.Config) *node {
 // openNodeWith is openNode on mount with the policy newPolicy makes.
 func openNodeWith(t testing.TB, mount engine.Mount, cfg objstore.Config, newPolicy func() guest.Policy) *node {
 	t.Helper()
+	return openNodeSlots(t, mount, cfg, newPolicy, 4)
+}
+
+// openNodeSlots is openNodeWith with workers I/O workers: the keys a
+// load has in flight at once (engine.Config.IOWorkers).
+func openNodeSlots(t testing.TB, mount engine.Mount, cfg objstore.Config, newPolicy func() guest.Policy, workers int) *node {
+	t.Helper()
 	dir := mount.Path
 	ctx := context.Background()
 	st, err := objstore.Open(ctx, cfg)
@@ -94,7 +101,7 @@ func openNodeWith(t testing.TB, mount engine.Mount, cfg objstore.Config, newPoli
 			return policy.NewNative(newPolicy, idx, policy.Config{Shards: 1})
 		},
 		Objects:   st,
-		IOWorkers: 4,
+		IOWorkers: workers,
 		Logger:    quiet(),
 	})
 	if err != nil {

@@ -1,0 +1,77 @@
+package objstore_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/objstore"
+)
+
+// TestReadsReturnTheObjectsBytesInFewRequests: a File's reads, in the
+// order a load makes them (the header at 0, then the rest, into several
+// buffers), or others (a first read elsewhere, reads past the end),
+// return the object's bytes and the counts preadv would, and a whole
+// object costs one GET per RangeSize: the header's GET brings the first
+// range, and a remainder shorter than a quarter of RangeSize goes with
+// the last.
+func TestReadsReturnTheObjectsBytesInFewRequests(t *testing.T) {
+	cfg := rgwConfig(t)
+	const rs = 1 << 20
+	cfg.RangeSize = rs
+	ctx := context.Background()
+	st, err := objstore.Open(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	type read struct{ off, n int64 } // n split into three buffers
+	for _, tc := range []struct {
+		name  string
+		size  int64
+		reads []read
+		gets  uint64 // the GETs of the reads; 0: not checked
+	}{
+		{"header, then the rest", 2*rs + rs/2 + 100, []read{{0, 4096}, {4096, 2*rs + rs/2 + 100 - 4096}}, 3},
+		{"header, then the rest and a short remainder", 3*rs + 4096, []read{{0, 4096}, {4096, 3 * rs}}, 3},
+		{"an object shorter than a range", 3000, []read{{0, 4096}, {4096, 100}, {10, 2000}}, 1},
+		{"header, then past the end", rs + 10, []read{{0, 4096}, {rs - 5, 100}, {rs + 10, 10}, {rs + 20, 10}}, 4}, // past the head, each read asks
+		{"first read elsewhere", 2*rs + 7, []read{{5, rs + 3}, {0, 2*rs + 7}, {2 * rs, 7}}, 0},
+		{"a first read at 0 larger than a range", 2 * rs, []read{{0, 2 * rs}}, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			want := make([]byte, tc.size)
+			fill(newRand(uint64(tc.size)), want)
+			key := []byte(tc.name)
+			if err := objstore.RawClient(st).Put(ctx, st.Name(1, key), want); err != nil {
+				t.Fatal(err)
+			}
+			f, err := st.Open(ctx, 1, key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			before := st.Stats().Gets
+			for _, r := range tc.reads {
+				a, b := r.n/3, r.n/2
+				bufs := [][]byte{make([]byte, a), make([]byte, b-a), make([]byte, r.n-b)}
+				n, err := f.ReadvAt(bufs, r.off)
+				if err != nil {
+					t.Fatalf("read of %d at %d: %v", r.n, r.off, err)
+				}
+				exp := want[min(r.off, tc.size):min(r.off+r.n, tc.size)]
+				if got := bytes.Join(bufs, nil)[:n]; n != len(exp) || !bytes.Equal(got, exp) {
+					t.Fatalf("read of %d at %d: %d bytes, want %d; equal: %v", r.n, r.off, n, len(exp), bytes.Equal(got, exp))
+				}
+			}
+			if got := st.Stats().Gets - before; tc.gets > 0 && got != tc.gets {
+				t.Fatalf("%d GETs, want %d", got, tc.gets)
+			}
+			if _, err := f.ReadAt(make([]byte, 1), tc.size); !errors.Is(err, io.EOF) {
+				t.Fatalf("a read at the end: %v, want io.EOF", err)
+			}
+		})
+	}
+}
