@@ -4,15 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
-	"net"
 	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -74,51 +71,63 @@ func ipCmd(t *testing.T, args ...string) {
 }
 
 // relay forwards every TCP connection accepted on host (port chosen) to
-// target until the test ends, and returns the address it listens on.
+// target until the test ends, and returns the address it listens on: a
+// slowRelay whose link is never slowed.
 func relay(t *testing.T, host, target string) string {
 	t.Helper()
-	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	return newSlowRelay(t, host, target).addr
+}
+
+// storeAndShare stores n keys, prefix-NN, on nodes[0] and waits until
+// every one is a hit on nodes[1] (a listing of its found them), failing
+// the test past a minute; it returns the keys.
+func storeAndShare(t *testing.T, nodes []clusterNode, prefix string, n int) [][]byte {
+	t.Helper()
+	ctx := t.Context()
+	keys := make([][]byte, n)
+	for i := range keys {
+		keys[i] = fmt.Appendf(nil, "%s-%02d", prefix, i)
+	}
+	if _, err := nodes[0].k.store(ctx, keys); err != nil {
+		t.Fatal(err)
+	}
+	if !waitFor(ctx, time.Minute, 50*time.Millisecond, func() bool {
+		got, err := nodes[1].lookup(ctx, keys)
+		return err == nil && got == len(keys)
+	}) {
+		t.Fatal("the keys daemon a stored are not hits on daemon b within a minute")
+	}
+	return keys
+}
+
+// netnsPair is two network namespaces of a test, a and b, and what their
+// daemons share: the endpoint of scripts/rgw.sh run, a fresh bucket, and
+// a directory for their sockets.
+type netnsPair struct {
+	ep          *url.URL
+	a, b        *netns
+	bucket, run string
+}
+
+// newNetnsPair makes a test's two namespaces and names a bucket for
+// them (kvhost-TAG-…), or skips where there is no endpoint or no
+// namespaces.
+func newNetnsPair(t *testing.T, tag string) netnsPair {
+	t.Helper()
+	u, err := url.Parse(rgwEndpoint(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	var wg sync.WaitGroup
-	track := func(c net.Conn) {
-		mu.Lock()
-		conns = append(conns, c)
-		mu.Unlock()
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			track(c)
-			track(u)
-			wg.Add(2)
-			go func() { defer wg.Done(); io.Copy(u, c); u.Close() }()
-			go func() { defer wg.Done(); io.Copy(c, u); c.Close() }()
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return l.Addr().String()
+	x := 1 + rand.IntN(250)
+	return netnsPair{ep: u, a: newNetns(t, x, 0), b: newNetns(t, x, 1), bucket: fmt.Sprintf("kvhost-%s-%08x", tag, rand.Uint32()), run: testsock.Dir(t)}
+}
+
+// config returns the configuration of daemon name in namespace n,
+// reaching the pair's bucket at endpoint (host:port), each request
+// bounded by timeout.
+func (p netnsPair) config(t *testing.T, name string, n *netns, endpoint string, timeout time.Duration) daemonConfig {
+	return daemonConfig{Socket: filepath.Join(p.run, name+".sock"), Mount: filepath.Join(t.TempDir(), name), KeysPerFile: 1, NetNS: n.name,
+		Extra: objectsTOMLAt("http://"+endpoint, p.bucket, timeout)}
 }
 
 // TestObjectsDaemonsInTwoNetworkNamespacesShareOnlyTheBucket: two daemons,
@@ -131,22 +140,14 @@ func relay(t *testing.T, host, target string) string {
 // GET of the key's object, and loads nothing; with the link up again the
 // key loads.
 func TestObjectsDaemonsInTwoNetworkNamespacesShareOnlyTheBucket(t *testing.T) {
-	ep := rgwEndpoint(t)
-	u, err := url.Parse(ep)
-	if err != nil {
-		t.Fatal(err)
-	}
-	x := 1 + rand.IntN(250)
-	na, nb := newNetns(t, x, 0), newNetns(t, x, 1)
-	bucket := fmt.Sprintf("kvhost-netns-%08x", rand.Uint32())
+	p := newNetnsPair(t, "netns")
+	na, nb := p.a, p.b
 	const timeout = 2 * time.Second
-	run := testsock.Dir(t)
 	cfg := func(name string, n *netns) daemonConfig {
-		return daemonConfig{Socket: filepath.Join(run, name+".sock"), Mount: filepath.Join(t.TempDir(), name), KeysPerFile: 1, NetNS: n.name,
-			Extra: objectsTOMLAt("http://"+relay(t, n.hostIP, u.Host), bucket, timeout)}
+		return p.config(t, name, n, relay(t, n.hostIP, p.ep.Host), timeout)
 	}
 	direct := cfg("direct", nb)
-	direct.Extra = objectsTOMLAt(ep, bucket, timeout)
+	direct.Extra = objectsTOMLAt(p.ep.String(), p.bucket, timeout)
 	if d, err := tryStartDaemon(t, direct); !errors.Is(err, errDaemonExited) {
 		if d != nil {
 			d.kill()
@@ -156,19 +157,7 @@ func TestObjectsDaemonsInTwoNetworkNamespacesShareOnlyTheBucket(t *testing.T) {
 	a, b := startDaemon(t, cfg("a", na)), startDaemon(t, cfg("b", nb))
 	nodes := dialNodes(t, []*daemon{a, b}, "netns", 8)
 	ctx := context.Background()
-	keys := make([][]byte, 4)
-	for i := range keys {
-		keys[i] = fmt.Appendf(nil, "netns-%02d", i)
-	}
-	if _, err := nodes[0].k.store(ctx, keys); err != nil {
-		t.Fatal(err)
-	}
-	if !waitFor(ctx, time.Minute, 50*time.Millisecond, func() bool {
-		n, err := nodes[1].lookup(ctx, keys)
-		return err == nil && n == len(keys)
-	}) {
-		t.Fatal("the keys daemon a stored are not hits on daemon b within a minute")
-	}
+	keys := storeAndShare(t, nodes, "netns", 4)
 	var wrong, missing int
 	for _, k := range keys {
 		nodes[1].checkLoad(t, 1, k, &wrong, &missing, "stored on daemon a, through the bucket, across namespaces")
