@@ -35,6 +35,7 @@ func TestReadsReturnTheObjectsBytesInFewRequests(t *testing.T) {
 		gets  uint64 // the GETs of the reads; 0: not checked
 	}{
 		{"header, then the rest", 2*rs + rs/2 + 100, []read{{0, 4096}, {4096, 2*rs + rs/2 + 100 - 4096}}, 3},
+		{"header, then the whole object (a load into GPU memory)", 2*rs + rs/2 + 100, []read{{0, 4096}, {0, 2*rs + rs/2 + 100}}, 3},
 		{"header, then the rest and a short remainder", 3*rs + 4096, []read{{0, 4096}, {4096, 3 * rs}}, 3},
 		{"an object shorter than a range", 3000, []read{{0, 4096}, {4096, 100}, {10, 2000}}, 1},
 		{"header, then past the end", rs + 10, []read{{0, 4096}, {rs - 5, 100}, {rs + 10, 10}, {rs + 20, 10}}, 4}, // past the head, each read asks

@@ -18,9 +18,10 @@ import (
 // back what it forwards.
 
 // linkState is how a slowRelay forwards: each chunk no earlier than
-// delay after it arrived, at most rate bytes a second (0: no bound), or
-// nothing while stalled (connections stay open, packets stay queued: a
-// partition that refuses nothing).
+// delay after it arrived, at most rate bytes a second over every
+// connection and both ways (0: no bound), or nothing while stalled
+// (connections stay open, packets stay queued: a partition that refuses
+// nothing).
 type linkState struct {
 	delay   time.Duration
 	rate    int
@@ -33,6 +34,7 @@ type slowRelay struct {
 	mu      sync.Mutex
 	state   linkState
 	changed chan struct{} // closed and replaced at every set
+	free    time.Time     // when the link has sent what it took (rate)
 	done    chan struct{} // closed when the test ends
 }
 
@@ -91,6 +93,16 @@ func (r *slowRelay) set(s linkState) {
 	r.mu.Unlock()
 }
 
+// take takes n bytes' time on the link at s.rate, after what it took
+// before, and returns how long they wait for it.
+func (r *slowRelay) take(n int, s linkState) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	r.free = now.Add(max(0, r.free.Sub(now))).Add(time.Duration(n) * time.Second / time.Duration(s.rate))
+	return r.free.Sub(now)
+}
+
 func (r *slowRelay) get() (linkState, <-chan struct{}) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -145,13 +157,18 @@ func (r *slowRelay) pipe(dst, src net.Conn) {
 			if wait != 0 {
 				continue // the state may have changed meanwhile
 			}
+			if s.rate > 0 {
+				if !r.sleep(r.take(piece, s), changed) {
+					return
+				}
+				if now, _ := r.get(); now.stalled {
+					continue
+				}
+			}
 			if _, err := dst.Write(c.b[:piece]); err != nil {
 				return
 			}
 			c.b = c.b[piece:]
-			if s.rate > 0 && !r.sleep(time.Duration(piece)*time.Second/time.Duration(s.rate), changed) {
-				return
-			}
 		}
 	}
 }
@@ -178,9 +195,10 @@ func (r *slowRelay) sleep(d time.Duration, changed <-chan struct{}) bool {
 // network namespace of its own reaches the bucket through a link that
 // turns slow, starved, stalled and back (a relay in user space, as no
 // netem qdisc is here), while another daemon stores the keys through a
-// link of its own. A slow link (100 ms each way, 1 MB/s) loads every key
-// with its bytes; one that cannot carry an object within the request
-// timeout (1 KiB/s for an object of 8 KiB) and one that carries nothing
+// link of its own, and reads each object (8 KiB) in 4 ranged GETs, 2 at
+// a time. A slow link (100 ms each way, 1 MB/s) loads every key with its
+// bytes; one that cannot carry an object within the request timeout
+// (1 KiB/s) and one that carries nothing
 // (its connections open, a partition that refuses nothing) fail the key
 // within its bound, twice the request timeout, with a message naming the
 // GET of its object; with the link back every key loads again. Not one
@@ -191,7 +209,9 @@ func TestObjectsSlowLinkLoadsInTimeOrFailNamingTheObject(t *testing.T) {
 	bound := 2 * timeout
 	link := newSlowRelay(t, p.b.hostIP, p.ep.Host)
 	a := startDaemon(t, p.config(t, "a", p.a, relay(t, p.a.hostIP, p.ep.Host), timeout))
-	b := startDaemon(t, p.config(t, "b", p.b, link.addr, timeout))
+	cb := p.config(t, "b", p.b, link.addr, timeout)
+	cb.Extra += "range_size = \"2KiB\"\n" // an object in 4 GETs, 2 at a time
+	b := startDaemon(t, cb)
 	nodes := dialNodes(t, []*daemon{a, b}, "slow", 8)
 	ctx := context.Background()
 	keys := storeAndShare(t, nodes, "slow", 4)
