@@ -334,7 +334,13 @@ func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note 
 		var claimed []*entry // files to remove (or keep as spares), paths held
 		var stop error
 		taken := make([]bool, len(victims))
-		for _, pass := range passes {
+		// sweep takes victims for a pass, in the policy's order. Victims
+		// bound for the object mount whose keys the bucket lacks are left
+		// to the demoter's uploads (objdemote.go) and taken, waiting for
+		// their uploads, only by the last sweep (upload), where the
+		// others did not make the room.
+		left := make([]bool, len(victims)) // bound for the object mount, left by a sweep without upload
+		sweep := func(pass int, upload bool) {
 			for i, v := range victims {
 				if freed >= need || stop != nil {
 					break
@@ -347,14 +353,17 @@ func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note 
 					break
 				}
 				if v.Target.Mount != abi.NoMount { // a demotion (demote.go)
-					if pass != passAny {
-						continue // the key stays: not the budget's room
+					if pass != passAny || upload && !left[i] {
+						continue // the key stays: not the budget's room, or tried
 					}
-					n, del := c.tier.demoteVictim(ctx, m, v)
+					n, del := c.tier.demoteVictim(ctx, m, v, upload)
 					freed += n
 					if !del {
+						left[i] = !upload && c.tier.toObjects(int(v.Target.Mount))
 						continue
 					}
+				} else if upload {
+					continue // tried
 				}
 				// Hold the path while removing: a store publishing there
 				// meanwhile waits, and its new file is never removed. The
@@ -374,6 +383,10 @@ func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note 
 				freed += en.Size
 			}
 		}
+		for _, pass := range passes {
+			sweep(pass, false)
+		}
+		sweep(passAny, true)
 		br.done()
 		if n := br.floorNote(); n != "" {
 			note = n

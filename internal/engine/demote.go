@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -151,6 +152,10 @@ type tiering struct {
 	// objs is the object mount, described last to the policy: a target
 	// of admission and of demotion (demoteToObjects). Set once at Open.
 	objs *objectTier
+	// demoter uploads files to the object mount ahead of their
+	// demotion (objdemote.go); nil before start and without an object
+	// mount.
+	demoter *objectDemoter
 }
 
 // moveRoom is what a move asks of the room on the mounts (capacity.go).
@@ -238,6 +243,10 @@ func (t *tiering) start(ctx context.Context, hits *hitRecorder, maker *spareMake
 		return
 	}
 	t.hits = hits
+	if t.objs != nil && t.objs.objs != nil {
+		t.demoter = newObjectDemoter(t, cmp.Or(max(t.tickEvery, 0), DefaultTickInterval))
+		go t.demoter.run()
+	}
 	d := &tierDriver{pol: tp, stop: make(chan struct{}), done: make(chan struct{})}
 	for _, m := range t.mounts {
 		d.descs = append(d.descs, m.desc)
@@ -247,8 +256,12 @@ func (t *tiering) start(ctx context.Context, hits *hitRecorder, maker *spareMake
 	go t.drive()
 }
 
-// stop stops the driver and waits for its move in flight.
+// stop stops the driver and the demoter and waits for the move and the
+// uploads in flight.
 func (t *tiering) stop() {
+	if t.demoter != nil {
+		t.demoter.close()
+	}
 	if t.driver == nil {
 		return
 	}
@@ -469,10 +482,15 @@ func (t *tiering) roomAfter(m *mount, size int64) bool {
 // A move to a later mount (a slower tier, by convention) may evict there;
 // a move to an earlier one only takes free room: evictMu is taken in mount
 // order, so nested evictions never deadlock.
-func (t *tiering) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) (int64, bool) {
+//
+// A victim bound for the object mount is dropped at once where the
+// bucket holds its key; else, with upload, it is uploaded now (or its
+// upload under way waited for), and without, left to the demoter's
+// background upload (objdemote.go) and kept.
+func (t *tiering) demoteVictim(ctx context.Context, m *mount, v policy.Eviction, upload bool) (int64, bool) {
 	target := int(v.Target.Mount)
 	if t.toObjects(target) {
-		return 0, t.demoteToObjects(ctx, v)
+		return 0, t.demoteToObjects(ctx, v, upload)
 	}
 	n, err := t.move(ctx, v.Entry, target, target > m.idx)
 	switch {
@@ -505,17 +523,35 @@ func (t *tiering) toObjects(target int) bool {
 	return t.objs != nil && t.objs.objs != nil && target == t.objs.index()
 }
 
-// demoteToObjects copies victim v's file to the object mount now, where
-// it does not hold the key yet, and reports whether the caller should
-// evict the file: the key stays stored there, and the removal feed
-// records it moved (remover.published). Where the copy fails the victim
-// stays, unless the store had no room and v says MoveDeleteIfFull.
-func (t *tiering) demoteToObjects(ctx context.Context, v policy.Eviction) bool {
+// demoteToObjects reports whether the caller should evict victim v's
+// file, bound for the object mount: where the bucket holds its key (the
+// key stays stored there, and the removal feed records it moved:
+// remover.published). Where it does not, without upload the victim stays
+// and the demoter is woken to upload it in the background; with upload
+// it is copied now (joining the demoter's upload of it under way), and
+// evicted once copied. Where the copy fails the victim stays, unless the
+// store had no room and v says MoveDeleteIfFull.
+func (t *tiering) demoteToObjects(ctx context.Context, v policy.Eviction, upload bool) bool {
 	path, fp, keys, ok := t.ix.Files().FileOf(v.Entry)
 	if !ok {
 		return false // gone meanwhile: stale
 	}
-	err := t.objs.copy(ctx, fp, keys, path)
+	if len(keys) == 1 && t.objs.holds(fp, []byte(keys[0])) {
+		t.st.demotions.Add(1)
+		return true
+	}
+	if !upload {
+		if t.demoter != nil {
+			t.demoter.wake()
+		}
+		return false
+	}
+	var err error
+	if t.demoter != nil {
+		err = t.demoter.upload(ctx, v.Entry, fp, keys, path)
+	} else {
+		err = t.objs.copy(ctx, fp, keys, path)
+	}
 	switch {
 	case err == nil:
 		t.st.demotions.Add(1)

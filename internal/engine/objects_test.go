@@ -40,6 +40,25 @@ type memObjects struct {
 	// opens counts the opens of each object: one per load of it, each
 	// read of what it opens a ranged GET of the real store's.
 	opens map[string]int
+	// gate, where not nil, holds every Upload until it is closed (or
+	// the upload's context ends); held counts the uploads it holds now.
+	gate chan struct{}
+	held atomic.Int64
+}
+
+// holdUploads holds every upload from now until release is called
+// (once or more).
+func (o *memObjects) holdUploads() (release func()) {
+	gate := make(chan struct{})
+	o.mu.Lock()
+	o.gate = gate
+	o.mu.Unlock()
+	return sync.OnceFunc(func() {
+		o.mu.Lock()
+		o.gate = nil
+		o.mu.Unlock()
+		close(gate)
+	})
 }
 
 // opened returns how many times the object of key was opened.
@@ -108,7 +127,20 @@ func (o *memObjects) Purge(_ context.Context, fp uint64) ([][]byte, error) {
 	return keys, nil
 }
 
-func (o *memObjects) Upload(_ context.Context, fp uint64, key []byte, path string) error {
+func (o *memObjects) Upload(ctx context.Context, fp uint64, key []byte, path string) error {
+	o.mu.Lock()
+	gate := o.gate
+	o.mu.Unlock()
+	if gate != nil {
+		o.held.Add(1)
+		select {
+		case <-gate:
+			o.held.Add(-1)
+		case <-ctx.Done():
+			o.held.Add(-1)
+			return fmt.Errorf("memObjects: upload of %s: %w", path, ctx.Err())
+		}
+	}
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return err

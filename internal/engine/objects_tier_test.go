@@ -121,11 +121,7 @@ func TestThePolicyDemotesToTheObjectMount(t *testing.T) {
 	if n, _ := e.Lookup(context.Background(), ns, keys); n != len(keys) {
 		t.Fatalf("%d of %d keys hits after the demotions", n, len(keys))
 	}
-	into := make([][]int, len(demoted))
-	for i := range into {
-		into[i] = []int{40 + 4*i, 41 + 4*i, 42 + 4*i, 43 + 4*i}
-	}
-	loadAndCompare(t, e, c, demoted, into, wantDemoted)
+	loadAndCompare(t, e, c, demoted, fourBlocks(40, len(demoted)), wantDemoted)
 }
 
 // TestADemotionToAFullObjectMountDeletesOnlyWhereThePolicySaysSo: where
