@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
@@ -44,6 +45,12 @@ type memObjects struct {
 	// the upload's context ends); held counts the uploads it holds now.
 	gate chan struct{}
 	held atomic.Int64
+	// slow, where not nil, holds every read of an object's payload (past
+	// its first 4 KiB) until it is closed or the context of the object's
+	// Open ends, as a GET that does not answer; stalled counts the reads
+	// it held.
+	slow    chan struct{}
+	stalled atomic.Int64
 }
 
 // holdUploads holds every upload from now until release is called
@@ -77,11 +84,11 @@ func (o *memObjects) Has(fp uint64, key []byte) bool {
 	return ok
 }
 
-func (o *memObjects) Open(_ context.Context, fp uint64, key []byte) (fsys.File, error) {
+func (o *memObjects) Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error) {
 	o.mu.Lock()
 	o.opens[objName(fp, key)]++
 	o.mu.Unlock()
-	return &memObject{o: o, name: objName(fp, key)}, nil
+	return &memObject{o: o, name: objName(fp, key), ctx: ctx, slow: o.slow}, nil
 }
 
 func (o *memObjects) Published(fp uint64, key []byte, path string) {
@@ -197,10 +204,20 @@ type memObject struct {
 	fsys.File // nil: the methods a load does not call
 	o         *memObjects
 	name      string
+	ctx       context.Context // the Open's: it bounds a read held by slow
+	slow      chan struct{}   // memObjects.slow at the Open
 }
 
 func (f *memObject) ReadAt(p []byte, off int64) (int, error) {
 	f.o.reads.Add(1)
+	if f.slow != nil && off+int64(len(p)) > objectHeaderRead {
+		f.o.stalled.Add(1)
+		select {
+		case <-f.slow:
+		case <-f.ctx.Done():
+			return 0, fmt.Errorf("object %s: get bytes=%d-%d: %w", f.name, off, off+int64(len(p))-1, f.ctx.Err())
+		}
+	}
 	f.o.mu.Lock()
 	b, ok := f.o.objs[f.name]
 	f.o.mu.Unlock()
@@ -442,5 +459,46 @@ func TestAnObjectLoadWhoseBlocksChangedDoesNotBlameTheObject(t *testing.T) {
 		t.Fatalf("%d objects reported bad, %d corrupt; want none: the object is good", bad, nb.e.Stats().Corrupt)
 	}
 	mv.armed.Store(false)
+	loadAndCompare(t, nb.e, nb.c, keys, into, want)
+}
+
+// TestAnObjectLoadFromAStoreThatDoesNotAnswerEndsAtItsDeadline: where
+// the store holds the GETs of an object's payload, a load of the key
+// fails at its context's deadline, while they are still held, with an
+// error naming the object and the deadline; nothing counts as loaded or
+// corrupt, the object stays, and the key loads with its bytes once the
+// store answers.
+func TestAnObjectLoadFromAStoreThatDoesNotAnswerEndsAtItsDeadline(t *testing.T) {
+	objs, _, nb, keys, want := objectPair(t, "slow", 2)
+	slow := make(chan struct{})
+	objs.mu.Lock()
+	objs.slow = slow
+	objs.mu.Unlock()
+	into := [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}}
+	loads := nb.e.Stats().Loads
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	res := wait(t)(nb.e.Load(ctx, LoadRequest{Cache: nb.c.id, Keys: keys, Blocks: into}))
+	// slow is still open: the load ended on its own deadline, not on an
+	// answer of the store's.
+	if objs.stalled.Load() == 0 {
+		t.Fatal("no GET was held: the test held nothing")
+	}
+	for i, k := range res.Keys {
+		if k.Outcome != OutcomeFailed || !errors.Is(k.Err, context.DeadlineExceeded) || !strings.Contains(k.Err.Error(), fmt.Sprintf("%x", keys[i])) {
+			t.Fatalf("key %d of a store that does not answer: %v (%v), want failed at the deadline, naming the key's object", i, k.Outcome, k.Err)
+		}
+	}
+	if st := nb.e.Stats(); st.Loads != loads || st.Corrupt != 0 {
+		t.Fatalf("%d loads counted, %d corrupt; want none", st.Loads-loads, st.Corrupt)
+	}
+	objs.mu.Lock()
+	bad := len(objs.bad)
+	objs.slow = nil
+	objs.mu.Unlock()
+	close(slow)
+	if bad != 0 {
+		t.Fatalf("%d objects reported bad; a slow store is not a corrupt object", bad)
+	}
 	loadAndCompare(t, nb.e, nb.c, keys, into, want)
 }
