@@ -318,7 +318,7 @@ func (o *objectTier) promoting(lr LayerRange) bool {
 // client may write its blocks from then on); the promoter checks the
 // copy's checksum before it stores it.
 func (o *objectTier) promoteFromBlocks(c *cache, h *format.Header, k int, blocks []int) {
-	obj := make([]byte, h.FileLen())
+	obj := o.promoter.buffer(h.FileLen())
 	hl, bb := int64(h.Len()), int64(h.BlockBytes)
 	want := make([]bool, len(h.Keys))
 	want[k] = true
@@ -328,7 +328,7 @@ func (o *objectTier) promoteFromBlocks(c *cache, h *format.Header, k int, blocks
 		at := t.Offset + int64(p)*t.PlaneStride + int64(blocks[b])*t.BlockStride
 		copy(obj[hl+off:hl+off+bb], src[at:at+bb])
 	})
-	o.promoter.offer(promotion{ns: c.ns.id, fp: c.ns.fp, geo: c.ns.geo, key: bytes.Clone(h.Keys[k].Key), h: h, k: k, obj: obj})
+	o.promoter.offer(promotion{ns: c.ns.id, fp: c.ns.fp, geo: c.ns.geo, key: bytes.Clone(h.Keys[k].Key), h: h, k: k, obj: obj, release: func() { o.promoter.giveBack(obj) }})
 }
 
 // loaded sets key i of j loaded from the object mount and counts it

@@ -280,3 +280,57 @@ func promotedFileVerifies(t *testing.T, e *Engine, ns NamespaceID, key, want []b
 		t.Fatalf("key %s: the promoted file holds other bytes than stored", key)
 	}
 }
+
+// BenchmarkPromotionCopy measures what a promotion adds to a load into
+// host memory from the object mount: the copy of the key's blocks into
+// the daemon's memory before the load answers (promoteFromBlocks), for a
+// key of 8 MiB in 16 blocks of 8 layers, into the buffer the last
+// promotion gave back, against the same run's ceiling, one copy of the
+// key's bytes from one buffer into another made once.
+func BenchmarkPromotionCopy(b *testing.B) {
+	g := Geometry{Model: "bench/promote", Layers: 8, KVHeads: 8, HeadSize: 128, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 256, TPSize: 1}
+	e := openEngine(b, Config{Mounts: []Mount{{Path: b.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		b.Fatal(err)
+	}
+	const nb = 64
+	c := newTestCache(b, e, ns, g, nb, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(8, 9))
+	var src []int
+	for i := range g.BlocksPerKey() {
+		src = append(src, 2*i+1) // every other block: no run of the key is one copy
+	}
+	c.fill(r, src)
+	key := testKeys("promote", 1)
+	storeAndCheck(b, e, c, key, [][]int{src})
+	en := e.find(e.tables.get(ns), key[0])
+	file, err := os.ReadFile(en.Path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	h, err := format.Decode(file)
+	if err != nil {
+		b.Fatal(err)
+	}
+	cc := e.tables.cache(c.id)
+	p := &objectPromoter{queue: make(chan promotion, 1), bufs: make(chan []byte, 1)}
+	p.start.Do(func() {}) // nothing promotes: the benchmark drains the queue
+	o := &objectTier{promoter: p}
+	from, to := make([]byte, g.KeyBytes()), make([]byte, g.KeyBytes())
+	var dCopy, dCeiling time.Duration
+	for b.Loop() {
+		t0 := time.Now()
+		o.promoteFromBlocks(cc, h, 0, src)
+		dCopy += time.Since(t0)
+		pr := <-p.queue
+		pr.done() // its buffer serves the next, as a promotion's does
+		t0 = time.Now()
+		copy(to, from)
+		dCeiling += time.Since(t0)
+	}
+	n := float64(b.N) * float64(g.KeyBytes())
+	b.ReportMetric(n/dCopy.Seconds()/1e9, "copy-GB/s")
+	b.ReportMetric(n/dCeiling.Seconds()/1e9, "ceiling-GB/s")
+	b.ReportMetric(dCeiling.Seconds()/dCopy.Seconds(), "copy/ceiling")
+}
