@@ -415,3 +415,46 @@ func TestNewRefusesWhatItCannotServe(t *testing.T) {
 		t.Errorf("a missing directory: %v, want fs.ErrNotExist", err)
 	}
 }
+
+// TestPolicyDenialsMatchTheirActionsAndResources: a Deny statement
+// refuses its actions on the keys its resources match ("*" any run, '/'
+// included), nothing else; what s3local cannot honour is refused when the
+// policy is set.
+func TestPolicyDenialsMatchTheirActionsAndResources(t *testing.T) {
+	doc := `{"Version":"2012-10-17","Statement":[
+		{"Effect":"Allow","Principal":"*","Action":"s3:*","Resource":"arn:aws:s3:::b/*"},
+		{"Effect":"Deny","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::b/kv/kvhost-capacity"},
+		{"Effect":"Deny","Principal":{"AWS":"*"},"Action":["s3:PutObject","s3:DeleteObject"],"Resource":["arn:aws:s3:::b/ro/*/x*y"]}]}`
+	ds, err := parsePolicy("b", []byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		action, key string
+		denied      bool
+	}{
+		{"s3:GetObject", "kv/kvhost-capacity", true},
+		{"s3:GetObject", "kv/kvhost-capacity2", false},
+		{"s3:PutObject", "kv/kvhost-capacity", false},
+		{"s3:PutObject", "ro/a/b/xzy", true},
+		{"s3:DeleteObject", "ro/a/xy", true},
+		{"s3:PutObject", "ro/a/xz", false},
+		{"s3:GetObject", "ro/a/xy", false},
+	} {
+		if got := denies(ds, tc.action, tc.key); got != tc.denied {
+			t.Errorf("%s of %s: denied %v, want %v", tc.action, tc.key, got, tc.denied)
+		}
+	}
+	for name, doc := range map[string]string{
+		"a condition":         `{"Statement":[{"Effect":"Deny","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::b/*","Condition":{}}]}`,
+		"a principal":         `{"Statement":[{"Effect":"Deny","Principal":{"AWS":"arn:aws:iam::1:user/x"},"Action":"s3:GetObject","Resource":"arn:aws:s3:::b/*"}]}`,
+		"a bucket action":     `{"Statement":[{"Effect":"Deny","Principal":"*","Action":"s3:ListBucket","Resource":"arn:aws:s3:::b/*"}]}`,
+		"another bucket":      `{"Statement":[{"Effect":"Deny","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::c/*"}]}`,
+		"not JSON":            `Statement`,
+		"an effect not known": `{"Statement":[{"Effect":"Maybe","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::b/*"}]}`,
+	} {
+		if _, err := parsePolicy("b", []byte(doc)); err == nil {
+			t.Errorf("%s: the policy was taken", name)
+		}
+	}
+}

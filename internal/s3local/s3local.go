@@ -7,8 +7,9 @@
 // bodies, signed or not, with trailing checksums; If-None-Match: *),
 // GetObject and HeadObject (one byte range, If-Match, If-None-Match),
 // DeleteObject, DeleteObjects, ListObjectsV2 (prefix, start-after,
-// continuation tokens; no delimiter) and multipart uploads (create,
-// upload a part, complete, abort). Requests are checked against one key
+// continuation tokens; no delimiter), multipart uploads (create,
+// upload a part, complete, abort) and the Deny statements of bucket
+// policies (policy.go). Requests are checked against one key
 // pair by their SigV4 signatures (docs/object.md, "Without an object
 // store: s3local").
 //
@@ -82,6 +83,12 @@ type Server struct {
 	// under way.
 	mu             sync.Mutex
 	used, reserved int64
+
+	// policyMu guards the buckets' policies (policy.go): their denials
+	// and their documents.
+	policyMu   sync.RWMutex
+	policies   map[string][]denial
+	policyDocs map[string][]byte
 }
 
 // New returns a Server over cfg.Dir, which must be a directory. With a
@@ -108,7 +115,7 @@ func New(cfg Config) (*Server, error) {
 	} else if !fi.IsDir() {
 		return nil, fmt.Errorf("s3local: %s is not a directory", dir)
 	}
-	s := &Server{cfg: cfg, dir: dir, uploads: filepath.Join(dir, uploadsDir)}
+	s := &Server{cfg: cfg, dir: dir, uploads: filepath.Join(dir, uploadsDir), policies: map[string][]denial{}, policyDocs: map[string][]byte{}}
 	s.bufs.New = func() any { b := make([]byte, copyBufSize); return &b }
 	if err := os.MkdirAll(s.uploads, 0o755); err != nil {
 		return nil, fmt.Errorf("s3local: %w", err)
@@ -238,10 +245,15 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) error {
 			return s.listObjects(w, bucket, q)
 		case r.Method == http.MethodPost && q.Has("delete"):
 			return s.deleteObjects(w, r, sig, bucket)
+		case len(q) == 1 && q.Has("policy"):
+			return s.bucketPolicy(w, r, sig, bucket)
 		}
 		return errNotImplemented(r.Method + " of a bucket with query " + strconv.Quote(r.URL.RawQuery))
 	}
 	if err := checkKey(key); err != nil {
+		return err
+	}
+	if err := s.checkPolicy(r, bucket, key); err != nil {
 		return err
 	}
 	switch {
@@ -323,6 +335,10 @@ func (s *Server) deleteBucket(w http.ResponseWriter, bucket string) error {
 	} else if err != nil {
 		return err
 	}
+	s.policyMu.Lock()
+	delete(s.policies, bucket)
+	delete(s.policyDocs, bucket)
+	s.policyMu.Unlock()
 	w.WriteHeader(http.StatusNoContent)
 	return nil
 }

@@ -389,3 +389,38 @@ func TestSDKRefusalsNameTheirCode(t *testing.T) {
 		t.Fatalf("the bucket's directory after the deletes holds %d entries (%v), want none", len(ents), err)
 	}
 }
+
+// TestSDKBucketPolicyDeniesAnObject: a policy that denies GETs of one
+// object makes them 403 AccessDenied, and the others' and the PUTs pass;
+// once the policy is deleted the object reads again.
+func TestSDKBucketPolicyDeniesAnObject(t *testing.T) {
+	ep := startEndpoint(t, 0)
+	c := ep.client()
+	ctx := context.Background()
+	put(t, c, "kv/denied", []byte("d"))
+	put(t, c, "kv/open", []byte("o"))
+	doc := `{"Version":"2012-10-17","Statement":[{"Effect":"Deny","Principal":"*","Action":"s3:GetObject","Resource":"arn:aws:s3:::` + testBucket + `/kv/denied"}]}`
+	if _, err := c.PutBucketPolicy(ctx, &s3.PutBucketPolicyInput{Bucket: aws.String(testBucket), Policy: &doc}); err != nil {
+		t.Fatal(err)
+	}
+	get := func(key string) error {
+		out, err := c.GetObject(ctx, &s3.GetObjectInput{Bucket: aws.String(testBucket), Key: aws.String(key)})
+		if err == nil {
+			out.Body.Close()
+		}
+		return err
+	}
+	if cd, st := code(get("kv/denied")); cd != "AccessDenied" || st != 403 {
+		t.Fatalf("GET of the denied object: %s %d, want 403 AccessDenied", cd, st)
+	}
+	if err := get("kv/open"); err != nil {
+		t.Fatalf("GET of another object: %v", err)
+	}
+	put(t, c, "kv/denied", []byte("d2"))
+	if _, err := c.DeleteBucketPolicy(ctx, &s3.DeleteBucketPolicyInput{Bucket: aws.String(testBucket)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := get("kv/denied"); err != nil {
+		t.Fatalf("GET once the policy is deleted: %v", err)
+	}
+}
