@@ -16,6 +16,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -28,13 +29,18 @@ import (
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout); err != nil {
+		stop()
 		fmt.Fprintln(os.Stderr, "s3local:", err)
 		os.Exit(1)
 	}
 }
 
-func run(args []string) error {
+// run serves as args ask until ctx ends, printing the URL to out once it
+// listens.
+func run(ctx context.Context, args []string, out io.Writer) error {
 	fl := flag.NewFlagSet("s3local", flag.ContinueOnError)
 	dir := fl.String("dir", "", "the directory of the buckets, one subdirectory each (required)")
 	addr := fl.String("addr", "127.0.0.1:9000", "the address to listen on (port 0: any free port)")
@@ -63,12 +69,10 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("http://%s\n", ln.Addr())
+	fmt.Fprintf(out, "http://%s\n", ln.Addr())
 	if *access == "" {
 		log.Warn("s3local: no keys: every request is served, signed or not")
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
 	hs := &http.Server{Handler: srv, ReadHeaderTimeout: time.Minute, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
 	served := make(chan error, 1)
 	go func() { served <- hs.Serve(ln) }()
