@@ -103,6 +103,7 @@ func (r *slowRelay) take(n int, s linkState) time.Duration {
 	return r.free.Sub(now)
 }
 
+// get returns the link's state and the channel its next change closes.
 func (r *slowRelay) get() (linkState, <-chan struct{}) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -148,7 +149,7 @@ func (r *slowRelay) pipe(dst, src net.Conn) {
 				wait = time.Until(c.at.Add(s.delay))
 			case s.rate > 0:
 				// Pieces of a twentieth of a second's bytes, each
-				// followed by its time on the link.
+				// waiting for its time on the link.
 				piece = min(piece, max(1, s.rate/20))
 			}
 			if wait != 0 && !r.sleep(wait, changed) {
