@@ -193,7 +193,7 @@ func (c *capacity) reserveUsed(ctx context.Context, m *mount, size int64) (err e
 		}
 	}
 	if note != "" {
-		why = "no entry evictable without crossing a budget's floor: " + note
+		why = note
 	}
 	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, %s", ErrNoSpace, m.root, used, capacity, size, why)
 }
@@ -359,7 +359,9 @@ func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note 
 					n, del := c.tier.demoteVictim(ctx, m, v, upload)
 					freed += n
 					if !del {
-						left[i] = !upload && c.tier.toObjects(int(v.Target.Mount))
+						if !upload {
+							left[i] = c.tier.toObjects(int(v.Target.Mount))
+						}
 						continue
 					}
 				} else if upload {
@@ -388,8 +390,13 @@ func (c *capacity) evictRounds(ctx context.Context, m *mount, size int64) (note 
 		}
 		sweep(passAny, true)
 		br.done()
+		for i := range left {
+			if freed < need && left[i] && !taken[i] {
+				note = "victims bound for the object mount are not uploaded yet (its uploads fail, or fell behind the stores)"
+			}
+		}
 		if n := br.floorNote(); n != "" {
-			note = n
+			note = "no entry evictable without crossing a budget's floor: " + n
 		}
 		c.evicted(ctx, claimed, recs)
 		if stop != nil {

@@ -529,8 +529,10 @@ func (t *tiering) toObjects(target int) bool {
 // remover.published). Where it does not, without upload the victim stays
 // and the demoter is woken to upload it in the background; with upload
 // it is copied now (joining the demoter's upload of it under way), and
-// evicted once copied. Where the copy fails the victim stays, unless the
-// store had no room and v says MoveDeleteIfFull.
+// evicted once copied, unless the bucket fails (objectDemoter.failing):
+// then it stays at once. Where the copy fails (or the bucket is full)
+// the victim stays, unless the store had no room and v says
+// MoveDeleteIfFull.
 func (t *tiering) demoteToObjects(ctx context.Context, v policy.Eviction, upload bool) bool {
 	path, fp, keys, ok := t.ix.Files().FileOf(v.Entry)
 	if !ok {
@@ -548,6 +550,15 @@ func (t *tiering) demoteToObjects(ctx context.Context, v policy.Eviction, upload
 	}
 	var err error
 	if t.demoter != nil {
+		if failing, full := t.demoter.failing(); failing {
+			// The bucket fails: no store waits on it. One full
+			// refuses this victim too.
+			if full && v.Target.Flags&abi.MoveDeleteIfFull != 0 {
+				t.st.demotionDeletes.Add(1)
+				return true
+			}
+			return false
+		}
 		err = t.demoter.upload(ctx, v.Entry, fp, keys, path)
 	} else {
 		err = t.objs.copy(ctx, fp, keys, path)

@@ -23,8 +23,11 @@ import (
 // the bucket holds (the removal feed records it moved there) and leaves
 // those it does not hold for the demoter; only where the victims already
 // in the bucket do not make the room it needs does it wait for the
-// uploads of the others, bounded by its caller's context. A file is
-// never dropped for the object mount before its upload succeeded.
+// uploads of the others, bounded by its caller's context, and not while
+// the bucket fails (the last upload failed, none succeeded since: the
+// store fails for room at once). A file is never dropped for the object
+// mount before its upload succeeded, unless the bucket refused it for
+// room and the policy said MOVE_DELETE_IF_FULL.
 
 // Tuning of the demoter.
 const (
@@ -48,9 +51,14 @@ type objectDemoter struct {
 
 	mu       sync.Mutex
 	inflight map[uint64]*objectUpload // by entry id
+	// minPause and maxPause bound pause (demoteBackoff and
+	// maxDemoteBackoff; a test shortens them).
+	minPause, maxPause time.Duration
 	// pause is how long the demoter waits after a failed upload before
-	// its next pass (0: none failed since the last success).
+	// its next pass (0: none failed since the last success); full says
+	// the last failure was the bucket's refusal for room (ENOSPC).
 	pause time.Duration
+	full  bool
 
 	// uploaded counts the files the demoter copied; failed, its uploads
 	// that failed.
@@ -67,7 +75,8 @@ type objectUpload struct {
 // newObjectDemoter returns the demoter of t, which runs a pass every
 // interval until stopped.
 func newObjectDemoter(t *tiering, every time.Duration) *objectDemoter {
-	return &objectDemoter{t: t, every: every, kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{}), inflight: map[uint64]*objectUpload{}}
+	return &objectDemoter{t: t, every: every, kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{}), inflight: map[uint64]*objectUpload{},
+		minPause: demoteBackoff, maxPause: maxDemoteBackoff}
 }
 
 // wake asks for a pass soon; it never blocks.
@@ -177,6 +186,15 @@ func (d *objectDemoter) pass(ctx context.Context) {
 	wg.Wait()
 }
 
+// failing reports whether the last upload to the object mount failed
+// (none succeeded since), and whether for room: an eviction does not
+// wait on a bucket that fails (demoteToObjects).
+func (d *objectDemoter) failing() (failing, full bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.pause > 0, d.full
+}
+
 // upload copies the file at path, entry id's, of keys of namespace fp,
 // to the object mount (objectTier.copy), or waits for the upload of it
 // under way; ctx bounds the wait and an upload it starts. The demoter
@@ -203,14 +221,15 @@ func (d *objectDemoter) upload(ctx context.Context, id, fp uint64, keys []string
 	switch {
 	case up.err == nil:
 		d.uploaded.Add(1)
-		d.pause = 0
+		d.pause, d.full = 0, false
 	case errors.Is(up.err, fs.ErrNotExist):
 		// The file went meanwhile (evicted, deleted): no fault of the
 		// bucket's.
 	case ctx.Err() == nil:
 		d.failed.Add(1)
-		d.pause = min(max(2*d.pause, demoteBackoff), maxDemoteBackoff)
-		if !errors.Is(up.err, syscall.ENOSPC) {
+		d.pause = min(max(2*d.pause, d.minPause), d.maxPause)
+		d.full = errors.Is(up.err, syscall.ENOSPC)
+		if !d.full {
 			d.t.log.Debug("engine: upload to the object mount failed", "path", path, "err", up.err)
 		}
 	}

@@ -6,6 +6,8 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -135,6 +137,57 @@ func TestAStoreWhoseVictimsAreNotInTheBucketLosesNothing(t *testing.T) {
 	release()
 	loadAndCompare(t, e, c, keys[:9], fourBlocks(40, 9), want)
 	storeAndCheck(t, e, c, keys[9:], bl)
+}
+
+// TestAStoreDoesNotWaitOnABucketThatFails: once an upload to the
+// object mount failed (and none succeeded since), a store that needs
+// room whose victims the bucket lacks fails for room at once, with no
+// upload tried for it and every file kept; once uploads succeed again,
+// the same store completes.
+func TestAStoreDoesNotWaitOnABucketThatFails(t *testing.T) {
+	objs := newMemObjects(t)
+	objs.refuse = syscall.EIO
+	e, ns, c := openDemoting(t, objs)
+	d := e.tier.demoter
+	d.mu.Lock()
+	d.minPause, d.maxPause = 10*time.Millisecond, 10*time.Millisecond // before any failure
+	d.mu.Unlock()
+	r := rand.New(rand.NewPCG(95, 7))
+	keys := testKeys("failing", 11)
+	want := storeOneByOne(t, e, c, r, keys, 0, 6) // above the low watermark: the demoter tries, and fails
+	testwait.Until(t, "a failed upload", 10*time.Second, func() bool { return e.tier.demoter.failed.Load() > 0 })
+	// Up to the capacity: the last of these found no victim to drop.
+	want = append(want, storeOneByOne(t, e, c, r, keys, 6, 10)...)
+
+	bl := [][]int{{40, 41, 42, 43}}
+	c.fill(r, bl[0])
+	tried := objs.tried.Load()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[10:], Blocks: bl}))
+	if o, err := res.Keys[0].Outcome, res.Keys[0].Err; o == OutcomeStored || !errors.Is(err, ErrNoSpace) || !strings.Contains(err.Error(), "not uploaded yet") {
+		t.Fatalf("store needing room from a failing bucket: %v (%v), want failed with ErrNoSpace, saying its victims are not uploaded", o, err)
+	}
+	// The demoter tries again after each pause (10 ms here), the store
+	// not: no more than the demoter's few.
+	if n := objs.tried.Load() - tried; n > 2*demoteUploads {
+		t.Fatalf("%d uploads tried during the store; a store does not wait on a failing bucket", n)
+	}
+	for i, k := range keys[:10] {
+		if e.find(e.tables.get(ns), k) == nil {
+			t.Fatalf("key %d: its file was dropped, not uploaded", i)
+		}
+	}
+	objs.mu.Lock()
+	objs.refuse = nil
+	objs.mu.Unlock()
+	testwait.Until(t, "the uploads after the failure", 30*time.Second, func() bool {
+		failing, _ := e.tier.demoter.failing()
+		return !failing && objs.Has(c.geo.Fingerprint(), keys[0])
+	})
+	storeAndCheck(t, e, c, keys[10:], bl)
+	want = append(want, c.data(bl[0]))
+	loadAndCompare(t, e, c, keys, fourBlocks(44, len(keys)), want)
 }
 
 // fourBlocks returns n lists of 4 blocks, from first on: first to

@@ -34,6 +34,11 @@ type memObjects struct {
 	bad    []string
 	onGone []func(fp uint64, key []byte, evicted bool) // each engine's
 	full   bool                                        // Upload fails with ENOSPC
+	// refuse, where not nil, is the error of every Upload (an endpoint
+	// that fails).
+	refuse error
+	// tried counts the Upload calls.
+	tried atomic.Int64
 	// published and uploads count the files Published was told of and
 	// those Upload copied; reads, the reads of objects.
 	published, uploads int
@@ -135,9 +140,13 @@ func (o *memObjects) Purge(_ context.Context, fp uint64) ([][]byte, error) {
 }
 
 func (o *memObjects) Upload(ctx context.Context, fp uint64, key []byte, path string) error {
+	o.tried.Add(1)
 	o.mu.Lock()
-	gate := o.gate
+	gate, refuse := o.gate, o.refuse
 	o.mu.Unlock()
+	if refuse != nil {
+		return fmt.Errorf("memObjects: upload of %s: %w", path, refuse)
+	}
 	if gate != nil {
 		o.held.Add(1)
 		select {
