@@ -248,12 +248,14 @@ test-objects:
 		$(GO) test -race -count=1 -v -timeout 10m -bench . -benchtime 1x ./internal/objstore && \
 		$(GO) test -race -count=1 -v -timeout 5m -run "^TestObjects" ./internal/reliability'
 
-# internal/objstore's tests and benchmark against bin/s3local, where no
-# RGW can run: all but the fault tests, which need RGW's controls (they
+# test-objects against bin/s3local (scripts/s3local.sh), where no RGW can
+# run: all but objstore's fault tests, which need RGW's controls (they
 # skip). Not part of test.
 .PHONY: test-objects-local
 test-objects-local: bin/s3local
-	scripts/s3local.sh run $(GO) test -race -count=1 -v -timeout 10m -bench . -benchtime 1x ./internal/objstore
+	scripts/s3local.sh run sh -c '\
+		$(GO) test -race -count=1 -v -timeout 10m -bench . -benchtime 1x ./internal/objstore && \
+		$(GO) test -race -count=1 -v -timeout 5m -run "^TestObjects" ./internal/reliability'
 
 # Container images (deploy/docker): the daemon's, which deploy/kubernetes
 # runs as kvhost:dev, and vLLM's with kvhost's client. IMAGE=NAME:TAG

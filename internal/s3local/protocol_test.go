@@ -458,3 +458,39 @@ func TestPolicyDenialsMatchTheirActionsAndResources(t *testing.T) {
 		}
 	}
 }
+
+// TestNewRecoversWhatAStoppedServerLeft: the temporary files of writes a
+// server stopped in are removed, a completion it stopped in gives its
+// upload back, and the objects are counted against the quota.
+func TestNewRecoversWhatAStoppedServerLeft(t *testing.T) {
+	dir := t.TempDir()
+	for path, body := range map[string]string{
+		"bkt/kv/obj":                        "12345",
+		"bkt/kv/#tmp-123":                   "half an object",
+		"bkt/#tmp-9":                        "",
+		".s3local-uploads/0123#done/target": "bkt\nkey\n",
+	} {
+		p := filepath.Join(dir, filepath.FromSlash(path))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s, err := New(Config{Dir: dir, Quota: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.used != 5 {
+		t.Errorf("counted %d bytes of objects, want 5", s.used)
+	}
+	for _, gone := range []string{"bkt/kv/#tmp-123", "bkt/#tmp-9", ".s3local-uploads/0123#done"} {
+		if _, err := os.Stat(filepath.Join(dir, gone)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s after New: %v, want it gone", gone, err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, ".s3local-uploads/0123/target")); err != nil {
+		t.Errorf("the upload whose completion stopped: %v", err)
+	}
+}

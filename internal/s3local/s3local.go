@@ -91,8 +91,9 @@ type Server struct {
 	policyDocs map[string][]byte
 }
 
-// New returns a Server over cfg.Dir, which must be a directory. With a
-// Quota it counts the bytes of the objects already there.
+// New returns a Server over cfg.Dir, which must be a directory. It
+// counts the bytes of the objects already there, and removes what a
+// server stopped mid-write left (recover).
 func New(cfg Config) (*Server, error) {
 	if cfg.Dir == "" {
 		return nil, errors.New("s3local: no directory")
@@ -120,25 +121,27 @@ func New(cfg Config) (*Server, error) {
 	if err := os.MkdirAll(s.uploads, 0o755); err != nil {
 		return nil, fmt.Errorf("s3local: %w", err)
 	}
-	if cfg.Quota > 0 {
-		if s.used, err = s.usage(); err != nil {
-			return nil, err
-		}
+	if s.used, err = s.recover(); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
 
-// usage returns the bytes of the regular files under the buckets.
-func (s *Server) usage() (int64, error) {
+// recover finishes what a server stopped mid-write left under the
+// directory: it removes the temporary files, and gives back to the
+// multipart uploads whose completion it stopped their directories. It
+// returns the bytes of the objects.
+func (s *Server) recover() (int64, error) {
 	var used int64
 	err := filepath.WalkDir(s.dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
+		switch {
+		case err != nil:
 			return err
-		}
-		if d.IsDir() && p == s.uploads {
+		case p == s.uploads:
 			return filepath.SkipDir
-		}
-		if d.Type().IsRegular() && !strings.Contains(d.Name(), "#") {
+		case d.Type().IsRegular() && strings.HasPrefix(d.Name(), "#tmp-"):
+			return os.Remove(p)
+		case d.Type().IsRegular():
 			fi, err := d.Info()
 			if err != nil {
 				return err
@@ -148,7 +151,18 @@ func (s *Server) usage() (int64, error) {
 		return nil
 	})
 	if err != nil {
-		return 0, fmt.Errorf("s3local: counting the bytes under %s: %w", s.dir, err)
+		return 0, fmt.Errorf("s3local: reading %s: %w", s.dir, err)
+	}
+	ups, err := os.ReadDir(s.uploads)
+	if err != nil {
+		return 0, fmt.Errorf("s3local: %w", err)
+	}
+	for _, u := range ups {
+		if id, ok := strings.CutSuffix(u.Name(), "#done"); ok {
+			if err := os.Rename(filepath.Join(s.uploads, u.Name()), filepath.Join(s.uploads, id)); err != nil {
+				return 0, fmt.Errorf("s3local: %w", err)
+			}
+		}
 	}
 	return used, nil
 }
