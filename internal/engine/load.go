@@ -117,15 +117,17 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			}
 			continue
 		}
-		read := en.Size
-		if !lr.all() && c.ns.geo.Layers > 0 {
-			read = en.Size * int64(lr.Count) / int64(c.ns.geo.Layers)
-		}
 		if !withSlot(idx, func() {
-			defer g.Release(read)
+			// Whole files measure the mount's rate; a layer range's
+			// reads (a part of each file, the read-ahead past it) do not.
+			if lr.all() {
+				defer g.Release(en.Size)
+			} else {
+				defer g.ReleaseUnmeasured()
+			}
 			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, buffered)
 		}) {
-			g.Release(0) // no file slot: ctx ended
+			g.ReleaseUnmeasured() // no file slot: ctx ended
 		}
 	}
 	for _, i := range objs {

@@ -247,3 +247,60 @@ func TestGateTunesItsLimitFromTheRateOfSaturatedWindows(t *testing.T) {
 		t.Fatalf("after 4000 files at the virtio disk's rates the arm is %+v (%d changes); rates %v", s.Arm, s.Changes, s.Rates)
 	}
 }
+
+// TestGateLearnsNothingFromUnmeasuredReads: reads of parts of files (a
+// layer range's) drop the window they fall in, so that no rate mixes
+// them with whole files': two halves of a window with unmeasured reads
+// between them measure nothing, two halves together measure.
+func TestGateLearnsNothingFromUnmeasuredReads(t *testing.T) {
+	clk := &clock{now: time.Unix(0, 0)}
+	const window = 1 << 20
+	g := New(Config{Max: 2, Modes: true, WindowBytes: window, Now: clk.Now})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range 2 {
+		if _, err := g.Acquire(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// step has a load wait for a reader (the mount saturated), then a
+	// reader end, measured with bytes or not, and the load take it
+	// (granted is closed then; a measurement may lower the bound).
+	step := func(measured bool, bytes int64) (granted chan struct{}) {
+		granted = make(chan struct{})
+		go func() {
+			if _, err := g.Acquire(ctx); err == nil {
+				close(granted)
+			}
+		}()
+		for {
+			g.mu.Lock()
+			n := len(g.waiters)
+			g.mu.Unlock()
+			if n == 1 {
+				break
+			}
+			runtime.Gosched()
+		}
+		clk.advance(time.Millisecond)
+		if measured {
+			g.Release(bytes)
+		} else {
+			g.ReleaseUnmeasured()
+		}
+		return granted
+	}
+	<-step(true, window/2)
+	for range 100 {
+		<-step(false, 0)
+	}
+	last := step(true, window/2)
+	if s := g.Stats(); len(s.Rates) != 0 {
+		t.Fatalf("a window with unmeasured reads inside was measured: %+v", s)
+	}
+	<-last
+	step(true, window/2) // not waited for: the measurement may lower the bound below the readers held
+	if s := g.Stats(); len(s.Rates) != 1 {
+		t.Fatalf("two measured halves of a window measured nothing: %+v", s)
+	}
+}
