@@ -14,6 +14,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
@@ -23,6 +24,7 @@ import (
 	"github.com/aws/smithy-go"
 
 	"github.com/kvhost/kvhost/internal/s3local"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // These tests speak to s3local with aws-sdk-go-v2's S3 client directly,
@@ -457,5 +459,98 @@ func TestSDKKeysOfEveryKindRoundTrip(t *testing.T) {
 	}
 	if want := slices.Sorted(slices.Values(keys)); !slices.Equal(listed, want) {
 		t.Fatalf("listed %q, want %q", listed, want)
+	}
+}
+
+// TestSDKReadersNeverSeeHalfAnObject: while writers replace one key over
+// and over with objects of one repeated byte each, of two sizes, by PUTs
+// and multipart uploads, every GET and ranged GET of many readers at once
+// reads one whole object: one byte throughout, its size's length.
+func TestSDKReadersNeverSeeHalfAnObject(t *testing.T) {
+	ep := startEndpoint(t, 0)
+	c := ep.client()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	b, k := aws.String(testBucket), aws.String("hot")
+	sizes := map[byte]int{'a': 1 << 20, 'b': 6<<20 + 5, 'c': 3}
+	put(t, c, "hot", bytes.Repeat([]byte{'c'}, 3))
+	var writes atomic.Int64
+	var wg sync.WaitGroup
+	for w := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ctx.Err() == nil; i++ {
+				v := byte('a' + (i+w)%3)
+				data := bytes.Repeat([]byte{v}, sizes[v])
+				var err error
+				if v == 'b' { // in two parts
+					var up *s3.CreateMultipartUploadOutput
+					if up, err = c.CreateMultipartUpload(ctx, &s3.CreateMultipartUploadInput{Bucket: b, Key: k}); err == nil {
+						var parts []types.CompletedPart
+						for n, p := range [][]byte{data[:5<<20], data[5<<20:]} {
+							out, perr := c.UploadPart(ctx, &s3.UploadPartInput{Bucket: b, Key: k, UploadId: up.UploadId, PartNumber: aws.Int32(int32(n + 1)), Body: bytes.NewReader(p)})
+							if perr != nil {
+								err = perr
+								break
+							}
+							parts = append(parts, types.CompletedPart{PartNumber: aws.Int32(int32(n + 1)), ETag: out.ETag})
+						}
+						if err == nil {
+							_, err = c.CompleteMultipartUpload(ctx, &s3.CompleteMultipartUploadInput{Bucket: b, Key: k, UploadId: up.UploadId, MultipartUpload: &types.CompletedMultipartUpload{Parts: parts}})
+						}
+					}
+				} else {
+					_, err = c.PutObject(ctx, &s3.PutObjectInput{Bucket: b, Key: k, Body: bytes.NewReader(data)})
+				}
+				if err != nil && ctx.Err() == nil {
+					t.Errorf("write of %c: %v", v, err)
+					return
+				}
+				writes.Add(1)
+			}
+		}()
+	}
+	var reads atomic.Int64
+	for r := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				in := &s3.GetObjectInput{Bucket: b, Key: k}
+				if r%2 == 1 {
+					in.Range = aws.String("bytes=1-")
+				}
+				out, err := c.GetObject(ctx, in)
+				if err != nil {
+					if ctx.Err() == nil {
+						t.Errorf("get: %v", err)
+					}
+					return
+				}
+				got, err := io.ReadAll(out.Body)
+				out.Body.Close()
+				if err != nil {
+					if ctx.Err() == nil {
+						t.Errorf("reading a body: %v", err)
+					}
+					return
+				}
+				v := got[0]
+				want := sizes[v] - r%2
+				if len(got) != want || bytes.Count(got, []byte{v}) != want {
+					t.Errorf("a GET read %d bytes starting %q, not one whole object (%d of one byte)", len(got), got[:1], want)
+					return
+				}
+				reads.Add(1)
+			}
+		}()
+	}
+	testwait.Until(t, "24 writes", time.Minute, func() bool { return writes.Load() >= 24 || t.Failed() })
+	cancel()
+	wg.Wait()
+	t.Logf("%d writes, %d reads", writes.Load(), reads.Load())
+	if reads.Load() == 0 {
+		t.Fatal("no read completed: the test checked nothing")
 	}
 }
