@@ -15,6 +15,7 @@ import (
 	"github.com/aws/smithy-go"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/region"
 )
 
 // ErrCredentials is wrapped by the errors of requests the store refused
@@ -114,6 +115,14 @@ func (f *File) ReadAt(p []byte, off int64) (int, error) {
 // than a quarter of RangeSize with it: every range ends in a buffer's
 // bytes, never in the daemon's.
 func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
+	return f.readv(bufs, off, nil)
+}
+
+// readv is ReadvAt that tells landed, where not nil, of every part of
+// the object that reached bufs, [at, at+n), once it did, from the
+// goroutine that read it (in a region.Guard): the mover checksums
+// each extent there while other ranges are still on the way.
+func (f *File) readv(bufs [][]byte, off int64, landed func(at, n int64)) (int, error) {
 	var total int64
 	for _, b := range bufs {
 		total += int64(len(b))
@@ -142,6 +151,9 @@ func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 				break
 			}
 		}
+		if landed != nil && n > 0 {
+			landed(off, n)
+		}
 		if n == total || f.whole {
 			return int(n), nil
 		}
@@ -166,16 +178,27 @@ func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 		ranges = append(ranges, &rng{bufs: within(bufs, at, end), off: off + at, want: end - at})
 		at = end
 	}
+	// read reads r, and tells landed of it.
+	read := func(r *rng) {
+		r.n, r.err = f.get(r.bufs, r.off)
+		if r.err == nil && r.n > 0 && landed != nil {
+			landed(r.off, int64(r.n))
+		}
+	}
 	if len(ranges) == 1 {
-		got, err := f.get(ranges[0].bufs, ranges[0].off)
-		return int(n) + got, err
+		read(ranges[0])
+		return int(n) + ranges[0].n, ranges[0].err
 	}
 	var wg sync.WaitGroup
 	for _, r := range ranges {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r.n, r.err = f.get(r.bufs, r.off)
+			// A client that truncates the memory behind its region
+			// fails this read, not the daemon.
+			if err := region.Guard(func() error { read(r); return nil }); err != nil {
+				r.err = err
+			}
 		}()
 	}
 	wg.Wait()

@@ -6,8 +6,6 @@ import (
 	"errors"
 	"io"
 	"testing"
-
-	"github.com/kvhost/kvhost/internal/objstore"
 )
 
 // TestReadsReturnTheObjectsBytesInFewRequests: a File's reads, in the
@@ -18,15 +16,9 @@ import (
 // range, and a remainder shorter than a quarter of RangeSize goes with
 // the last.
 func TestReadsReturnTheObjectsBytesInFewRequests(t *testing.T) {
-	cfg := rgwConfig(t)
 	const rs = 1 << 20
-	cfg.RangeSize = rs
 	ctx := context.Background()
-	st, err := objstore.Open(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer st.Close()
+	st := rangedStore(t, rs)
 	type read struct{ off, n int64 } // n split into three buffers
 	for _, tc := range []struct {
 		name  string
@@ -43,12 +35,8 @@ func TestReadsReturnTheObjectsBytesInFewRequests(t *testing.T) {
 		{"a first read at 0 larger than a range", 2 * rs, []read{{0, 2 * rs}}, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			want := make([]byte, tc.size)
-			fill(newRand(uint64(tc.size)), want)
 			key := []byte(tc.name)
-			if err := objstore.RawClient(st).Put(ctx, st.Name(1, key), want); err != nil {
-				t.Fatal(err)
-			}
+			want := putRandom(t, st, key, tc.size)
 			f, err := st.Open(ctx, 1, key)
 			if err != nil {
 				t.Fatal(err)

@@ -3,7 +3,9 @@ package objstore
 import (
 	"context"
 	"fmt"
+	"sort"
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/crc32c"
@@ -14,8 +16,10 @@ import (
 // Mover returns the store's data mover (engine.Objects): it reads a plan
 // from a File of the store's into host memory, every run of extents that
 // are contiguous in the object at once, each split into parallel ranged
-// GETs (File.ReadvAt) that write straight into the extents' memory, and
-// then checksums the extents in plan order. The CPU staging pipeline
+// GETs (File.ReadvAt) that write straight into the extents' memory; each
+// extent is checksummed by the goroutine whose GET brought its last
+// bytes, while other GETs are on the way, and the checksums are joined
+// in plan order (crc32c.Extend). The CPU staging pipeline
 // would read an object as it reads a file, one range of 256 KiB after the
 // other.
 func (s *Store) Mover() transfer.Mover { return mover{} }
@@ -77,6 +81,33 @@ func (mover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums [
 		r.last = i
 		runs = append(runs, r)
 	}
+	// regs[i] is the CRC-32C register of extent i, computed by the
+	// goroutine whose range brought its last bytes; left[i], its bytes
+	// not landed yet.
+	var regs []uint32
+	var left []atomic.Int64
+	if sums != nil {
+		regs, left = make([]uint32, len(p.Extents)), make([]atomic.Int64, len(p.Extents))
+		for i, x := range p.Extents {
+			left[i].Store(x.Len)
+		}
+	}
+	landed := func(r *run) func(at, n int64) {
+		if sums == nil {
+			return nil
+		}
+		xs := p.Extents[r.first:r.last] // in the object's order
+		return func(at, n int64) {
+			i := sort.Search(len(xs), func(i int) bool { return xs[i].FileOff+xs[i].Len > at })
+			for ; i < len(xs) && xs[i].FileOff < at+n; i++ {
+				x := xs[i]
+				got := min(at+n, x.FileOff+x.Len) - max(at, x.FileOff)
+				if left[r.first+i].Add(-got) == 0 && x.Sum >= 0 {
+					regs[r.first+i] = crc32c.Register(bufs[r.first+i])
+				}
+			}
+		}
+	}
 	var wg sync.WaitGroup
 	for _, r := range runs {
 		wg.Add(1)
@@ -85,7 +116,7 @@ func (mover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums [
 			// A client that truncates the memory behind its region
 			// fails this read, not the daemon.
 			r.err = region.Guard(func() (err error) {
-				r.n, err = of.ReadvAt(bufs[r.first:r.last], p.Extents[r.first].FileOff)
+				r.n, err = of.readv(bufs[r.first:r.last], p.Extents[r.first].FileOff, landed(r))
 				return err
 			})
 		}()
@@ -101,17 +132,10 @@ func (mover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums [
 			return total, fmt.Errorf("%w: %s ends %d bytes into a run of %d at %d", transfer.ErrShortFile, of.name, r.n, r.want, p.Extents[r.first].FileOff)
 		}
 	}
-	if sums != nil {
-		err := region.Guard(func() error {
-			for i, x := range p.Extents {
-				if x.Sum >= 0 {
-					sums[x.Sum] = crc32c.Update(sums[x.Sum], bufs[i])
-				}
-			}
-			return nil
-		})
-		if err != nil {
-			return total, err
+	// Every extent landed whole: its register joins its checksum.
+	for i, x := range p.Extents {
+		if sums != nil && x.Sum >= 0 {
+			sums[x.Sum] = crc32c.Extend(sums[x.Sum], regs[i], x.Len)
 		}
 	}
 	return total, nil
