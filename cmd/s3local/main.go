@@ -3,10 +3,13 @@
 // internal/s3local; docs/object.md, "Without an object store: s3local").
 // It is not for production.
 //
-//	s3local --dir DIR [--addr 127.0.0.1:PORT] [--access-key K --secret-key S] [--quota BYTES]
+//	s3local --dir DIR [--addr 127.0.0.1:PORT] [--access-key K --secret-key S]
+//	        [--quota BYTES] [--bucket NAME]
 //
 // It prints the URL it listens on, one line on standard output, and
-// serves until SIGTERM or SIGINT. The keys default to
+// serves until SIGTERM or SIGINT. --bucket makes a bucket at start where
+// it is missing; --quota bounds the bytes of every object (QuotaExceeded
+// past it). The keys default to
 // $KVHOST_S3_ACCESS_KEY and $KVHOST_S3_SECRET_KEY, as the daemon's; with
 // neither it serves every request, signed or not.
 package main
