@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"net/http"
 	"sync"
+	"sync/atomic"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
@@ -76,8 +77,8 @@ func describe(err error) error {
 // RangeSize, each bounded by the request timeout and by ctx.
 func (s *Store) Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error) {
 	name := s.Name(fp, key)
-	s.touch(name) // a use, which evictions rank by
-	return &File{s: s, ctx: ctx, name: name}, nil
+	o, _ := s.touch(name) // a use, which evictions rank by
+	return &File{s: s, ctx: ctx, name: name, size: o.size, small: o.partial}, nil
 }
 
 // File is an object open for reading: an fsys.File whose reads are
@@ -86,6 +87,14 @@ type File struct {
 	s    *Store
 	ctx  context.Context
 	name string
+	// size is the object's size as the store knows it (0: unknown);
+	// small, that its last load read part of it (a layer range): then
+	// the first read is not a head of RangeSize, lest a key loaded layer
+	// by layer read a range per layer. read counts the bytes its reads
+	// returned, which tell Close whether this load read it whole.
+	size  int64
+	small bool
+	read  atomic.Int64
 
 	// mu guards head: the object's first bytes, read by the first read
 	// (at offset 0, of at most RangeSize) as one GET of RangeSize, so
@@ -123,6 +132,13 @@ func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 // goroutine that read it (in a region.Guard): the mover checksums
 // each extent there while other ranges are still on the way.
 func (f *File) readv(bufs [][]byte, off int64, landed func(at, n int64)) (int, error) {
+	n, err := f.readvCounted(bufs, off, landed)
+	f.read.Add(int64(n))
+	return n, err
+}
+
+// readvCounted is readv before it counts what it read.
+func (f *File) readvCounted(bufs [][]byte, off int64, landed func(at, n int64)) (int, error) {
 	var total int64
 	for _, b := range bufs {
 		total += int64(len(b))
@@ -132,7 +148,7 @@ func (f *File) readv(bufs [][]byte, off int64, landed func(at, n int64)) (int, e
 	}
 	rs := f.s.cfg.RangeSize
 	f.mu.Lock()
-	if f.head == nil && off == 0 && total <= rs {
+	if f.head == nil && off == 0 && total <= rs && !f.small {
 		if err := f.readHead(); err != nil {
 			f.mu.Unlock()
 			return 0, err
@@ -310,9 +326,15 @@ func (f *File) Allocate(int64) error { return ErrReadOnly }
 // Sync does nothing: there is nothing written to flush.
 func (f *File) Sync() error { return nil }
 
-// Close gives back the memory of the object's head; a File holds no
+// Close gives back the memory of the object's head and records whether
+// the load read the object whole (File.small); a File holds no
 // connection between reads. Reads after Close read the object again.
 func (f *File) Close() error {
+	// An object of more than one range read in part (a layer range):
+	// the next load reads its header alone. One read whole: a head again.
+	if n := f.read.Load(); n > 0 && f.size > f.s.cfg.RangeSize {
+		f.s.loaded(f.name, n < f.size)
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.head != nil {

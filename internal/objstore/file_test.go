@@ -6,6 +6,9 @@ import (
 	"errors"
 	"io"
 	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // TestReadsReturnTheObjectsBytesInFewRequests: a File's reads, in the
@@ -62,5 +65,57 @@ func TestReadsReturnTheObjectsBytesInFewRequests(t *testing.T) {
 				t.Fatalf("a read at the end: %v, want io.EOF", err)
 			}
 		})
+	}
+}
+
+// TestALoadOfPartOfAnObjectHasTheNextReadItsHeaderAlone: after a load
+// that read part of an object of several ranges (a layer range), the
+// next load's header read is a GET of the header alone, not of a whole
+// range, so that a key loaded layer by layer does not read a range per
+// layer; after a load that read it whole, the header's GET reads a
+// whole range again.
+func TestALoadOfPartOfAnObjectHasTheNextReadItsHeaderAlone(t *testing.T) {
+	const rs = 1 << 20
+	ctx := context.Background()
+	st := rangedStore(t, rs)
+	key := []byte("layers")
+	const size = 3 * rs
+	want := putRandom(t, st, key, size)
+	testwait.Until(t, "a listing finding the object", 30*time.Second, func() bool { return st.Has(1, key) })
+	// load reads the header, then length bytes after it, and returns the
+	// bytes the header's read cost.
+	load := func(length int64) uint64 {
+		t.Helper()
+		f, err := st.Open(ctx, 1, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		before := st.Stats().GetBytes
+		if _, err := f.ReadAt(make([]byte, 4096), 0); err != nil {
+			t.Fatal(err)
+		}
+		cost := st.Stats().GetBytes - before
+		got := make([]byte, length)
+		if _, err := f.ReadAt(got, 4096); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want[4096:4096+length]) {
+			t.Fatal("other bytes read")
+		}
+		return cost
+	}
+	for i, step := range []struct {
+		length int64
+		cost   uint64
+	}{
+		{rs / 2, rs},        // a head, the first load
+		{rs / 2, 4096},      // after a partial load
+		{size - 4096, 4096}, // still, and reads it whole
+		{rs / 2, rs},        // a head again
+	} {
+		if cost := load(step.length); cost != step.cost {
+			t.Fatalf("load %d: the header's read cost %d bytes, want %d", i, cost, step.cost)
+		}
 	}
 }

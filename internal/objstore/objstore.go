@@ -215,6 +215,9 @@ type Store struct {
 type object struct {
 	size int64 // its bytes
 	at   int64 // its last use known here: its upload, a load, or its listing's modification time (Unix ns)
+	// partial: its last load here read part of it (a layer range), so
+	// the next one reads the header alone (File.small).
+	partial bool
 }
 
 // upload is a published file to copy.
@@ -349,14 +352,27 @@ func (s *Store) forgetLocked(name string) {
 	}
 }
 
-// touch records a use of name now (a load), which an eviction ranks by.
-func (s *Store) touch(name string) {
+// touch records a use of name now (a load), which an eviction ranks by,
+// and returns what is known of it.
+func (s *Store) touch(name string) (object, bool) {
 	s.mu.Lock()
-	if o, ok := s.present.get(name); ok {
+	defer s.mu.Unlock()
+	o, ok := s.present.get(name)
+	if ok {
 		o.at = time.Now().UnixNano()
 		s.present.set(name, o)
 	}
-	s.mu.Unlock()
+	return o, ok
+}
+
+// loaded records whether the last load of name read part of it.
+func (s *Store) loaded(name string, partial bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if o, ok := s.present.get(name); ok && o.partial != partial {
+		o.partial = partial
+		s.present.set(name, o)
+	}
 }
 
 // Bad forgets key's object, which failed a load's checks, and removes it
@@ -461,8 +477,9 @@ func (s *Store) list(ctx context.Context) error {
 		delete(found, name)
 	}
 	for name, o := range found {
-		if old, ok := s.present.get(name); ok && old.at > o.at {
-			o.at = old.at // a use here since its upload
+		if old, ok := s.present.get(name); ok {
+			o.at = max(o.at, old.at) // a use here since its upload
+			o.partial = old.partial
 			found[name] = o
 		}
 	}
