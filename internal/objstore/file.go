@@ -72,7 +72,8 @@ func describe(err error) error {
 // Open opens key's object for reading (engine.Objects): no request until
 // the first read. A first read at offset 0 of at most Config.RangeSize
 // (the header) reads the object's first RangeSize bytes, which later
-// reads take from memory; every other read is ranged GETs straight into
+// reads take from memory, unless the last load of the object read part
+// of it (File.small); every other read is ranged GETs straight into
 // the caller's buffers, several in parallel for a read larger than
 // RangeSize, each bounded by the request timeout and by ctx.
 func (s *Store) Open(ctx context.Context, fp uint64, key []byte) (fsys.File, error) {
@@ -139,10 +140,7 @@ func (f *File) readv(bufs [][]byte, off int64, landed func(at, n int64)) (int, e
 
 // readvCounted is readv before it counts what it read.
 func (f *File) readvCounted(bufs [][]byte, off int64, landed func(at, n int64)) (int, error) {
-	var total int64
-	for _, b := range bufs {
-		total += int64(len(b))
-	}
+	total := length(bufs)
 	if total == 0 {
 		return 0, nil
 	}
@@ -244,6 +242,15 @@ func (f *File) readHead() error {
 	return nil
 }
 
+// length is the bytes of bufs.
+func length(bufs [][]byte) int64 {
+	var n int64
+	for _, b := range bufs {
+		n += int64(len(b))
+	}
+	return n
+}
+
 // within returns the sub-slices of bufs that hold their bytes from
 // from to to, counted over bufs in order.
 func within(bufs [][]byte, from, to int64) [][]byte {
@@ -266,10 +273,7 @@ func within(bufs [][]byte, from, to int64) [][]byte {
 // object ends first.
 func (f *File) get(bufs [][]byte, off int64) (int, error) {
 	s := f.s
-	var want int64
-	for _, b := range bufs {
-		want += int64(len(b))
-	}
+	want := length(bufs)
 	if err := s.acquire(f.ctx); err != nil {
 		return 0, err
 	}
