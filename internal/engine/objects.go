@@ -383,6 +383,10 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 	bf, mem := b.f, b.mem[:h.FileLen()]
 	io := o.io.Begin()
 	defer o.io.End(io)
+	if !lr.all() && h.LayerSums != nil {
+		o.loadBouncedLayers(ctx, j, c, blocks, lr, i, f, h, k, want, bad, mv, bf, mem)
+		return
+	}
 	n, err := f.ReadvAt([][]byte{mem}, 0)
 	if err == nil && int64(n) < h.FileLen() {
 		bad(fmt.Errorf("%w: object of key %x: %d bytes, the header says %d", ErrCorrupt, key, n, h.FileLen()))
@@ -410,6 +414,69 @@ func (o *objectTier) loadBounced(ctx context.Context, j *Job, c *cache, blocks [
 		kept = true
 		o.promoter.offer(promotion{ns: c.ns.id, fp: c.ns.fp, geo: c.ns.geo, key: bytes.Clone(key), h: h, k: k, obj: mem, release: func() { o.bounce.put(b) }})
 	}
+}
+
+// loadBouncedLayers is loadBounced of a layer range of an object with
+// layer checksums: only the range's bytes of key k are read (ranged
+// requests, one per run of them in the object), into their offsets in
+// the memory file mem (bf), and verified there by their layers'
+// checksums before the mover moves them. A layer-wise load of a key then
+// reads each byte of the object once, not the whole object per layer
+// group. The memory is the daemon's: a mismatch is the object's.
+func (o *objectTier) loadBouncedLayers(ctx context.Context, j *Job, c *cache, blocks []int, lr LayerRange, i int, f fsys.File, h *format.Header, k int, want []bool, bad func(error), mv transfer.Mover, bf fsys.File, mem []byte) {
+	set := func(out Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: out, Err: err} }
+	key := h.Keys[k].Key
+	hl, bb := int64(h.Len()), int64(h.BlockBytes)
+	segs := make([][]int64, lr.Count) // per layer of the range, its segments' offsets in the object
+	h.Walk(want, func(kk, _, l, _ int, off int64) {
+		if kk == k && l >= lr.First && l < lr.First+lr.Count {
+			segs[l-lr.First] = append(segs[l-lr.First], hl+off)
+		}
+	})
+	var all []int64
+	for _, s := range segs {
+		slices.Sort(s)
+		all = append(all, s...)
+	}
+	slices.Sort(all)
+	var runs [][2]int64 // [start, end) in the object: the segments, joined where they touch
+	for _, start := range all {
+		if n := len(runs); n > 0 && runs[n-1][1] == start {
+			runs[n-1][1] = start + bb
+			continue
+		}
+		runs = append(runs, [2]int64{start, start + bb})
+	}
+	var read int64
+	for _, r := range runs {
+		n, err := f.ReadvAt([][]byte{mem[r[0]:r[1]]}, r[0])
+		read += int64(n)
+		if err == nil && int64(n) < r[1]-r[0] {
+			bad(fmt.Errorf("%w: object of key %x: %d bytes at %d, the header says %d", ErrCorrupt, key, n, r[0], r[1]-r[0]))
+			return
+		}
+		if err != nil {
+			set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+			return
+		}
+	}
+	for x, s := range segs {
+		l := lr.First + x
+		var sum uint32
+		for _, off := range s {
+			sum = crc32c.Update(sum, mem[off:off+bb])
+		}
+		if wantSum := h.LayerSums[k*int(h.Layers)+l]; sum != wantSum {
+			bad(fmt.Errorf("%w: object of key %x: layer %d checksum 0x%08x, want 0x%08x", ErrCorrupt, key, l, sum, wantSum))
+			return
+		}
+	}
+	plan, sk := c.plan(h, want, func(int) []int { return blocks }, &mount{mountFS: mountFS{memory: true}}, lr, verifyNone)
+	if _, err := mv.ReadFile(ctx, bf, plan, nil); err != nil {
+		set(OutcomeFailed, fmt.Errorf("engine: load object of key %x: %w", key, err))
+		return
+	}
+	o.loaded(j, i, lr, false, read, sk.moved[k])
 }
 
 // memorySums returns the CRC-32C of the payload of the keys marked in

@@ -43,6 +43,7 @@ type memObjects struct {
 	// those Upload copied; reads, the reads of objects.
 	published, uploads int
 	reads              atomic.Int64
+	readBytes          atomic.Int64 // the bytes those reads returned
 	// opens counts the opens of each object: one per load of it, each
 	// read of what it opens a ranged GET of the real store's.
 	opens map[string]int
@@ -237,6 +238,7 @@ func (f *memObject) ReadAt(p []byte, off int64) (int, error) {
 		return 0, io.EOF
 	}
 	n := copy(p, b[off:])
+	f.o.readBytes.Add(int64(n))
 	if n < len(p) {
 		return n, io.EOF
 	}
@@ -510,4 +512,67 @@ func TestAnObjectLoadFromAStoreThatDoesNotAnswerEndsAtItsDeadline(t *testing.T) 
 		t.Fatalf("%d objects reported bad; a slow store is not a corrupt object", bad)
 	}
 	loadAndCompare(t, nb.e, nb.c, keys, into, want)
+}
+
+// TestLayerRangesOfAnObjectLoadIntoDeviceMemoryReadingEachByteOnce: a
+// layer-wise load of keys from the object mount into device memory
+// (one job per group of layers, as the vLLM connector sends) reads
+// only each group's bytes of the object, verified by their layer
+// checksums: the groups together read the payload once, not once per
+// group; a byte flipped in one layer fails the group holding it with
+// ErrCorrupt and not a group before it.
+func TestLayerRangesOfAnObjectLoadIntoDeviceMemoryReadingEachByteOnce(t *testing.T) {
+	objs, _, _, keys, want := objectPair(t, "lay", 2)
+	mv := &fakeMover{}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs,
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const nb = 32
+	cid, dev := registerFakeDevice(t, e, ns, g, 92, nb)
+	into := [][]int{{3, 2, 1, 0}, {4, 5, 6, 7}}
+	bb := g.BlockBytes()
+	payload := int64(0)
+	for _, w := range want {
+		payload += int64(len(w))
+	}
+	before := objs.readBytes.Load()
+	for _, lr := range []LayerRange{{0, 1}, {1, 2}, {3, 1}} {
+		res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys, Blocks: into, Layers: lr}))
+		wantOutcomes(t, fmt.Sprintf("load of layers %+v", lr), res, OutcomeLoaded)
+	}
+	// The header's first read (objectHeaderRead) of each key per job,
+	// and the payload once.
+	if got, most := objs.readBytes.Load()-before, payload+int64(3*len(keys)*objectHeaderRead); got > most {
+		t.Fatalf("three layer groups read %d bytes of objects holding %d of payload: want at most %d", got, payload, most)
+	}
+	for i := range keys {
+		var got []byte
+		for l := range g.Layers {
+			for p := range 2 {
+				for _, b := range into[i] {
+					off := int64(l)*2*nb*bb + int64(p)*nb*bb + int64(b)*bb
+					got = append(got, dev.mem[off:off+bb]...)
+				}
+			}
+		}
+		if !bytes.Equal(got, want[i]) {
+			t.Fatalf("key %s: the device memory holds other bytes than stored", keys[i])
+		}
+	}
+	// The last layer's last byte of key 1 flipped: layers 0-2 still load,
+	// layer 3 fails.
+	name := objName(g.Fingerprint(), keys[1])
+	objs.mu.Lock()
+	objs.objs[name][len(objs.objs[name])-1] ^= 1
+	objs.mu.Unlock()
+	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys[1:], Blocks: into[1:], Layers: LayerRange{0, 3}}))
+	wantOutcomes(t, "load of layers 0-2 beside a corrupt layer 3", res, OutcomeLoaded)
+	res = wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys[1:], Blocks: into[1:], Layers: LayerRange{3, 1}}))
+	if o, err := res.Keys[0].Outcome, res.Keys[0].Err; o != OutcomeFailed || !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("load of the corrupted layer: %v (%v), want failed with ErrCorrupt", o, err)
+	}
 }
