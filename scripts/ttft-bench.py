@@ -140,6 +140,14 @@ def parse_args(argv=None):
                          "or for another engine's files; default: the daemon's)")
     ap.add_argument("--daemon-toml", default="",
                     help="more of the daemon's TOML configuration, before its [[mount]] (e.g. '[gpu]\\nchecksum_on = \"gpu\"')")
+    ap.add_argument("--policy-toml", default="",
+                    help="more keys of the daemon's [policy] (e.g. 'name = \"tiered\"')")
+    ap.add_argument("--objects", metavar="ENDPOINT",
+                    help="an S3 endpoint (e.g. bin/s3local's) for the daemon's object mount: its [objects] table, "
+                         "bucket --objects-bucket (made if missing); with a small --capacity and a policy that "
+                         "demotes (--policy-toml 'name = \"tiered\"') the prefixes live in the bucket and load "
+                         "from it")
+    ap.add_argument("--objects-bucket", default="ttft", help="the object mount's bucket (--objects)")
     ap.add_argument("--mount-toml", default="",
                     help="more keys of the daemon's [[mount]] (e.g. 'io = \"buffered\"')")
     ap.add_argument("--capacity", help="the mount's capacity in the daemon's configuration (default: four "
@@ -490,9 +498,16 @@ class Bench:
         res = self.c.store(self.cache_id, keys, blocks).wait(a.job_timeout)
         stored = res.count(1) + res.count(2)
         if stored != nkeys:
-            raise SystemExit(f"ttft-bench: stored {stored} of {nkeys} keys: {res.outcomes()}")
+            raise SystemExit(f"ttft-bench: stored {stored} of {nkeys} keys: {res.outcomes()}; the first failure: "
+                             f"{res.message or 'no message'}")
         if a.corrupt_stored:
             corrupt_newest(a.dir)
+        if a.objects:
+            # How many of the keys stayed in files (the rest the policy
+            # moved to the bucket, where the loads find them).
+            files = sum(m["entries"] for m in self.c.stats()["mounts"])
+            rep["objects"] = {"endpoint": a.objects, "bucket": a.objects_bucket, "files_on_mounts": files}
+            print(f"objects P {p} keys {nkeys} files_on_mounts {files} bucket {a.objects_bucket}", flush=True)
         if "disk" in a.modes and a.dir:
             # The files this store wrote, read by plain reads: the
             # mount's own ceiling for a whole load, in this run.
@@ -1170,8 +1185,11 @@ def main(argv=None):
         daemon = Daemon(capacity=a.capacity or f"{(4 * kv >> 20) + 64}MiB", dir=os.path.abspath(a.dir),
                         extra_toml=(f"[engine]\nio_workers = {a.io_workers}\n" if a.io_workers else "") +
                         (f"[gpu]\nregister_files = {a.register_files}\n" if a.register_files is not None else "") +
-                        a.daemon_toml.replace("\\n", "\n"),
-                        after_toml=a.mount_toml.replace("\\n", "\n"))
+                        a.daemon_toml.replace("\\n", "\n") +
+                        (f'\n[objects]\nendpoint = "{a.objects}"\nbucket = "{a.objects_bucket}"\ncreate_bucket = true\n'
+                         if a.objects else ""),
+                        after_toml=a.mount_toml.replace("\\n", "\n"),
+                        policy_toml=a.policy_toml.replace("\\n", "\n"))
     try:
         with kvhost.Client(daemon.socket if daemon else a.socket, name="ttft-bench", timeout=a.job_timeout) as c:
             bench = Bench(a, c, daemon.socket if daemon else a.socket)
@@ -1194,6 +1212,10 @@ def main(argv=None):
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(bench.report, f, indent=1, default=str)
+    except BaseException:
+        if daemon:  # what the daemon said, for the failure's cause
+            print("detail: the daemon's log, last lines:\n" + "\n".join(daemon.logs().splitlines()[-15:]), flush=True)
+        raise
     finally:
         if daemon:
             daemon.stop()

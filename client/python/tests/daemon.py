@@ -70,15 +70,17 @@ def policy_cache():
 
 class Daemon:
     """kvhost serving dir (a cache root) on a socket in a fresh temp dir;
-    server_toml adds lines to its [server] table."""
+    server_toml adds lines to its [server] table, policy_toml to its
+    [policy] table."""
 
-    def __init__(self, capacity="1GiB", dir=None, extra_toml="", after_toml="", server_toml=""):
+    def __init__(self, capacity="1GiB", dir=None, extra_toml="", after_toml="", server_toml="", policy_toml=""):
         self.tmp = socket_dir("kvhost-pytest-")
         self.dir = dir or os.path.join(self.tmp, "blocks")
         os.makedirs(self.dir, exist_ok=True)
         self.socket = os.path.join(self.tmp, "kvhost.sock")
         self.config = os.path.join(self.tmp, "kvhost.toml")
-        self._toml = dict(capacity=capacity, extra_toml=extra_toml, after_toml=after_toml, server_toml=server_toml)
+        self._toml = dict(capacity=capacity, extra_toml=extra_toml, after_toml=after_toml, server_toml=server_toml,
+                          policy_toml=policy_toml)
         self._write_config()
         self.log = open(os.path.join(self.tmp, "kvhost.log"), "w+")
         self._start()
@@ -87,7 +89,7 @@ class Daemon:
         t = self._toml
         with open(self.config, "w") as f:
             f.write(f'[server]\nsocket = "{self.socket}"\n{t["server_toml"]}\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
-                    f'[policy]\ncache_dir = "{policy_cache()}"\n\n'
+                    f'[policy]\ncache_dir = "{policy_cache()}"\n{t["policy_toml"]}\n\n'
                     f'{t["extra_toml"]}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{t["capacity"]}"\n'
                     f'{t["after_toml"]}\n')
 
