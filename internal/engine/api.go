@@ -319,6 +319,11 @@ type Config struct {
 	// or nil for none: keys no file holds are loaded from it, and every
 	// one-key file a store publishes is told to it.
 	Objects Objects
+	// ObjectKeys bounds the keys loads read from the object mount at
+	// once (0: DefaultObjectKeys, at least IOWorkers). They wait on the
+	// network, not on a disk or a CPU: they take no file slot, which
+	// IOWorkers bounds.
+	ObjectKeys int
 	// Observer, if set, is told about every finished job (metrics).
 	Observer Observer
 	// FS is the file system (default fsys.OS); tests inject faults here.

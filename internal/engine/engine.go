@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -286,7 +287,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
-	e.objs = objectTier{objs: cfg.Objects, find: e.find, rm: e.rm, st: &e.st, io: &e.busy.io, log: cfg.Logger, mounts: e.mounts}
+	e.objs = objectTier{objs: cfg.Objects, find: e.find, rm: e.rm, st: &e.st, io: &e.busy.io, log: cfg.Logger, mounts: e.mounts,
+		slots: make(chan struct{}, cmp.Or(cfg.ObjectKeys, max(DefaultObjectKeys, cfg.IOWorkers)))}
 	e.objs.watch()
 	e.rm.objs = &e.objs
 	e.tier.objs, e.objs.lazy = &e.objs, e.tier.demotes

@@ -131,7 +131,20 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		}
 	}
 	for _, i := range objs {
-		withSlot([]int{i}, func() { e.objs.load(ctx, j, c, keys, blocks, lr, i) })
+		// An object's key waits on the network: it takes a slot of the
+		// object mount's, not a file slot.
+		select {
+		case e.objs.slots <- struct{}{}:
+		case <-ctx.Done():
+			set(i, OutcomeFailed, ctx.Err())
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-e.objs.slots }()
+			e.objs.load(ctx, j, c, keys, blocks, lr, i)
+		}()
 	}
 	turn.done() // every file has its slot: the cache's next load may take slots
 	wg.Wait()

@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"io"
 	"io/fs"
 	"math/rand/v2"
@@ -574,5 +575,48 @@ func TestLayerRangesOfAnObjectLoadIntoDeviceMemoryReadingEachByteOnce(t *testing
 	res = wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys[1:], Blocks: into[1:], Layers: LayerRange{3, 1}}))
 	if o, err := res.Keys[0].Outcome, res.Keys[0].Err; o != OutcomeFailed || !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("load of the corrupted layer: %v (%v), want failed with ErrCorrupt", o, err)
+	}
+}
+
+// TestObjectKeysLoadBeyondTheFileSlots: keys loaded from the object
+// mount wait on the network, not on a disk or a CPU, so more of them are
+// read at once than the engine's I/O workers (2 here): a load of 6 keys
+// from a store that holds every payload GET has all 6 keys' objects open
+// together (their headers read; this fake's mover then queues them on
+// the CPU path's workers, the real store's sends their ranges), and every
+// key loads once the store answers.
+func TestObjectKeysLoadBeyondTheFileSlots(t *testing.T) {
+	objs, _, nb, keys, want := objectPair(t, "wide", 6)
+	if w := nb.e.cfg.IOWorkers; w >= len(keys) {
+		t.Fatalf("%d I/O workers: the test needs fewer than its %d keys", w, len(keys))
+	}
+	slow := make(chan struct{})
+	release := sync.OnceFunc(func() { close(slow) })
+	t.Cleanup(release) // a failure below still lets the engines close
+	objs.mu.Lock()
+	objs.slow = slow
+	objs.mu.Unlock()
+	into := blockLists(rand.New(rand.NewPCG(6, 6)), len(keys), 4, 16)
+	j, err := nb.e.Load(context.Background(), LoadRequest{Cache: nb.c.id, Keys: keys, Blocks: into})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fp := smallGeometry(true).Fingerprint()
+	testwait.Until(t, "every key's object open at once", 10*time.Second, func() bool {
+		n := 0
+		for _, k := range keys {
+			n += objs.opened(fp, k)
+		}
+		return n >= len(keys)
+	})
+	objs.mu.Lock()
+	objs.slow = nil
+	objs.mu.Unlock()
+	release()
+	wantOutcomes(t, "load of keys held together", waitJob(t, j, nil), OutcomeLoaded)
+	for i := range keys {
+		if !bytes.Equal(nb.c.data(into[i]), want[i]) {
+			t.Fatalf("key %s: loaded bytes differ", keys[i])
+		}
 	}
 }
