@@ -282,6 +282,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.mv.host = host
 	e.mv.slots.tokens = make(chan struct{}, cfg.IOWorkers)
+	e.capacity.files = &e.mv.slots
 	pool := host
 	if err := e.buildMovers(); err != nil {
 		pool.Close()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"sync/atomic"
 
 	"github.com/kvhost/kvhost/fsys"
@@ -425,6 +426,77 @@ func (ck *checks) read(ctx context.Context, f fsys.File, sums []uint32) error {
 type fileSlots struct {
 	tokens chan struct{}
 	moving atomic.Int64
+	// mu guards what waitEnded needs: gen counts the stores ended, end
+	// (made by a waiter, nil without one) is closed at the next, stores
+	// counts the stores' files in flight and waiting the reservations
+	// waiting for one to end.
+	mu      sync.Mutex
+	gen     uint64
+	end     chan struct{}
+	stores  int
+	waiting int
+}
+
+// generation returns the count of stores ended so far, for waitEnded.
+func (s *fileSlots) generation() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.gen
+}
+
+// storeBegan counts a store's file in flight (it holds a slot).
+func (s *fileSlots) storeBegan() {
+	s.mu.Lock()
+	s.stores++
+	s.mu.Unlock()
+}
+
+// storeEnded counts a store's file ended (published, or its room given
+// back) and wakes waitEnded's waiters.
+func (s *fileSlots) storeEnded() {
+	s.mu.Lock()
+	s.stores--
+	s.gen++
+	if s.end != nil {
+		close(s.end)
+		s.end = nil
+	}
+	s.mu.Unlock()
+}
+
+// waitEnded waits, for a store's reservation that found no room, until
+// another store's file ends after generation gen: a burst's stores hold
+// room that each publishes (its file then evictable) or gives back.
+// Loads free no room: they are not waited for. It reports true at once
+// where a store ended since gen, false at once where no store is in
+// flight but the caller and those waiting so, and false when ctx ends.
+func (s *fileSlots) waitEnded(ctx context.Context, gen uint64) bool {
+	s.mu.Lock()
+	if s.gen != gen {
+		s.mu.Unlock()
+		return true
+	}
+	if s.stores-1-s.waiting <= 0 {
+		s.mu.Unlock()
+		return false
+	}
+	if s.end == nil {
+		s.end = make(chan struct{})
+	}
+	ch := s.end
+	s.waiting++
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.waiting--
+		s.mu.Unlock()
+	}()
+	select {
+	case <-ch:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // acquire takes a slot, or fails with ctx's error.

@@ -279,10 +279,12 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			failAll(gr.idx, err)
 			continue
 		}
+		e.mv.slots.storeBegan()
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer e.releaseSlot()
+			defer e.mv.slots.storeEnded() // before the slot: a store waiting for room re-counts the stores
 			defer func() {
 				if !gr.released {
 					e.rm.release(gr.path)
