@@ -83,23 +83,28 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	// The cache's earlier loads take their file slots first (loadOrder).
 	turn.wait(ctx)
 	var wg sync.WaitGroup
-	// withSlot runs fn with a file slot, on a goroutine of its own, or
-	// fails the keys idx where ctx ends first (and reports false).
-	withSlot := func(idx []int, fn func()) bool {
-		if err := e.mv.slots.acquire(ctx); err != nil {
-			for _, i := range idx {
-				set(i, OutcomeFailed, err)
-			}
+	failAll := func(idx []int, err error) {
+		for _, i := range idx {
+			set(i, OutcomeFailed, err)
+		}
+	}
+	// spawn runs fn on a goroutine of its own once acquire took its
+	// slot, which release gives back after; where ctx ends first it fails
+	// the keys idx (and reports false).
+	spawn := func(idx []int, acquire func(context.Context) error, release func(), fn func()) bool {
+		if err := acquire(ctx); err != nil {
+			failAll(idx, err)
 			return false
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			defer e.releaseSlot()
+			defer release()
 			fn()
 		}()
 		return true
 	}
+	withSlot := func(idx []int, fn func()) bool { return spawn(idx, e.mv.slots.acquire, e.releaseSlot, fn) }
 	for _, en := range order {
 		idx := byEntry[en]
 		// A disk's loads wait for one of its readers first (package
@@ -112,9 +117,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		}
 		buffered, err := g.Acquire(ctx)
 		if err != nil {
-			for _, i := range idx {
-				set(i, OutcomeFailed, err)
-			}
+			failAll(idx, err)
 			continue
 		}
 		if !withSlot(idx, func() {
@@ -133,18 +136,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	for _, i := range objs {
 		// An object's key waits on the network: it takes a slot of the
 		// object mount's, not a file slot.
-		select {
-		case e.objs.slots <- struct{}{}:
-		case <-ctx.Done():
-			set(i, OutcomeFailed, ctx.Err())
-			continue
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { <-e.objs.slots }()
-			e.objs.load(ctx, j, c, keys, blocks, lr, i)
-		}()
+		spawn([]int{i}, e.objs.takeSlot, e.objs.giveSlot, func() { e.objs.load(ctx, j, c, keys, blocks, lr, i) })
 	}
 	turn.done() // every file has its slot: the cache's next load may take slots
 	wg.Wait()

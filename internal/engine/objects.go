@@ -110,6 +110,20 @@ type objectTier struct {
 // parallel GETs of the same objects; with 8, at 0.89-1.01.
 const DefaultObjectKeys = 16
 
+// takeSlot takes one of the object mount's key slots (giveSlot gives it
+// back), or fails with ctx's error.
+func (o *objectTier) takeSlot(ctx context.Context) error {
+	select {
+	case o.slots <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// giveSlot gives back a slot takeSlot took.
+func (o *objectTier) giveSlot() { <-o.slots }
+
 // objectClass is the device class the removal feed names the object
 // mount by (removals.Feed.SetMounts), at the index one past the engine's
 // mounts (objectTier.index).

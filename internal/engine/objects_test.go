@@ -386,38 +386,15 @@ func TestDeleteRemovesTheKeysObject(t *testing.T) {
 // fails with ErrCorrupt, checked before the mover runs.
 func TestObjectLoadsIntoDeviceMemoryThroughAVerifiedBounce(t *testing.T) {
 	objs, _, _, keys, want := objectPair(t, "dev", 2)
-	mv := &fakeMover{}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs,
-		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
-	g := smallGeometry(true)
-	ns, err := e.Declare(context.Background(), g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const nb = 32
-	cid, dev := registerFakeDevice(t, e, ns, g, 91, nb)
+	e, mv, cid, dev := deviceNode(t, objs, 91)
 	into := [][]int{{3, 2, 1, 0}, {4, 5, 6, 7}}
 	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: cid, Keys: keys, Blocks: into}))
 	wantOutcomes(t, "load into device memory", res, OutcomeLoaded)
-	bb := g.BlockBytes()
-	for i := range keys {
-		var got []byte
-		for l := range g.Layers {
-			for p := range 2 {
-				for _, b := range into[i] {
-					off := int64(l)*2*nb*bb + int64(p)*nb*bb + int64(b)*bb
-					got = append(got, dev.mem[off:off+bb]...)
-				}
-			}
-		}
-		if !bytes.Equal(got, want[i]) {
-			t.Fatalf("key %s: the device memory holds other bytes than stored", keys[i])
-		}
-	}
+	dev.requireKeys(t, keys, into, want)
 	mv.mu.Lock()
 	plans := mv.plans
 	mv.mu.Unlock()
-	name := objName(g.Fingerprint(), keys[1])
+	name := objName(smallGeometry(true).Fingerprint(), keys[1])
 	objs.mu.Lock()
 	objs.objs[name][len(objs.objs[name])-1] ^= 1
 	objs.mu.Unlock()
@@ -524,18 +501,8 @@ func TestAnObjectLoadFromAStoreThatDoesNotAnswerEndsAtItsDeadline(t *testing.T) 
 // ErrCorrupt and not a group before it.
 func TestLayerRangesOfAnObjectLoadIntoDeviceMemoryReadingEachByteOnce(t *testing.T) {
 	objs, _, _, keys, want := objectPair(t, "lay", 2)
-	mv := &fakeMover{}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs,
-		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
-	g := smallGeometry(true)
-	ns, err := e.Declare(context.Background(), g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const nb = 32
-	cid, dev := registerFakeDevice(t, e, ns, g, 92, nb)
+	e, _, cid, dev := deviceNode(t, objs, 92)
 	into := [][]int{{3, 2, 1, 0}, {4, 5, 6, 7}}
-	bb := g.BlockBytes()
 	payload := int64(0)
 	for _, w := range want {
 		payload += int64(len(w))
@@ -550,23 +517,10 @@ func TestLayerRangesOfAnObjectLoadIntoDeviceMemoryReadingEachByteOnce(t *testing
 	if got, most := objs.readBytes.Load()-before, payload+int64(3*len(keys)*objectHeaderRead); got > most {
 		t.Fatalf("three layer groups read %d bytes of objects holding %d of payload: want at most %d", got, payload, most)
 	}
-	for i := range keys {
-		var got []byte
-		for l := range g.Layers {
-			for p := range 2 {
-				for _, b := range into[i] {
-					off := int64(l)*2*nb*bb + int64(p)*nb*bb + int64(b)*bb
-					got = append(got, dev.mem[off:off+bb]...)
-				}
-			}
-		}
-		if !bytes.Equal(got, want[i]) {
-			t.Fatalf("key %s: the device memory holds other bytes than stored", keys[i])
-		}
-	}
+	dev.requireKeys(t, keys, into, want)
 	// The last layer's last byte of key 1 flipped: layers 0-2 still load,
 	// layer 3 fails.
-	name := objName(g.Fingerprint(), keys[1])
+	name := objName(smallGeometry(true).Fingerprint(), keys[1])
 	objs.mu.Lock()
 	objs.objs[name][len(objs.objs[name])-1] ^= 1
 	objs.mu.Unlock()
@@ -617,6 +571,49 @@ func TestObjectKeysLoadBeyondTheFileSlots(t *testing.T) {
 	for i := range keys {
 		if !bytes.Equal(nb.c.data(into[i]), want[i]) {
 			t.Fatalf("key %s: loaded bytes differ", keys[i])
+		}
+	}
+}
+
+// deviceNodeBlocks is the blocks of deviceNode's fake device cache.
+const deviceNodeBlocks = 32
+
+// deviceNode opens an engine over objs whose cache of the small geometry
+// is in (fake) device memory, loaded by a fakeMover: the engine, that
+// mover, the cache and its device, of id.
+func deviceNode(t *testing.T, objs *memObjects, id uint64) (*Engine, *fakeMover, CacheID, *fakeDevice) {
+	t.Helper()
+	mv := &fakeMover{}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs,
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cid, dev := registerFakeDevice(t, e, ns, g, id, deviceNodeBlocks)
+	return e, mv, cid, dev
+}
+
+// requireKeys requires the device's blocks into[i] to hold want[i], key
+// i's payload in file order (layer, plane, block), as deviceNode lays
+// its cache out.
+func (d *fakeDevice) requireKeys(t *testing.T, keys [][]byte, into [][]int, want [][]byte) {
+	t.Helper()
+	g, nb := smallGeometry(true), int64(deviceNodeBlocks)
+	bb := g.BlockBytes()
+	for i := range keys {
+		var got []byte
+		for l := range g.Layers {
+			for p := range 2 {
+				for _, b := range into[i] {
+					off := int64(l)*2*nb*bb + int64(p)*nb*bb + int64(b)*bb
+					got = append(got, d.mem[off:off+bb]...)
+				}
+			}
+		}
+		if !bytes.Equal(got, want[i]) {
+			t.Fatalf("key %s: the device memory holds other bytes than stored", keys[i])
 		}
 	}
 }

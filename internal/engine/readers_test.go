@@ -31,27 +31,10 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 		{"tuned starts at the workers", 0, 4, 4},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ctx := context.Background()
 			pol := newTestPolicy(1, abi.OrderLayerMajor)
 			e := openEngine(t, Config{IOWorkers: tc.workers, Mounts: []Mount{{Path: diskDir(t), LoadReaders: tc.readers}},
 				NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
-			g := smallGeometry(true)
-			ns, err := e.Declare(ctx, g)
-			if err != nil {
-				t.Fatal(err)
-			}
-			const n = 12
-			c := newTestCache(t, e, ns, g, 2*n*g.BlocksPerKey(), layoutPlaneFirst)
-			r := rand.New(rand.NewPCG(1, 2))
-			keys := testKeys("r", n)
-			from := blockLists(r, n, g.BlocksPerKey(), 0)
-			want := make([][]byte, n)
-			for i := range keys {
-				c.fill(r, from[i])
-				want[i] = c.data(from[i])
-			}
-			storeAndCheck(t, e, c, keys, from)
-			loadAndCompare(t, e, c, keys, blockLists(r, n, g.BlocksPerKey(), n*g.BlocksPerKey()), want)
+			storeAndLoadBack(t, e, 12)
 			st := e.Stats()
 			if got := st.Mounts[0].LoadReaders; got != tc.want {
 				t.Fatalf("the mount's load readers: %d, want %d", got, tc.want)
@@ -62,7 +45,6 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 		})
 	}
 	t.Run("buffered loads of a direct mount leave no pages cached", func(t *testing.T) {
-		ctx := context.Background()
 		pol := newTestPolicy(1, abi.OrderLayerMajor)
 		dir := diskDir(t)
 		e := openEngine(t, Config{IOWorkers: 2, Mounts: []Mount{{Path: dir}}, NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
@@ -71,23 +53,8 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 		}
 		// The readers' arm, as tuning may choose it: buffered.
 		e.mounts[0].readers = iotune.New(iotune.Config{Max: 2, Fixed: true, Buffered: true})
-		g := smallGeometry(true)
-		ns, err := e.Declare(ctx, g)
-		if err != nil {
-			t.Fatal(err)
-		}
 		const n = 4
-		c := newTestCache(t, e, ns, g, 2*n*g.BlocksPerKey(), layoutPlaneFirst)
-		r := rand.New(rand.NewPCG(3, 4))
-		keys := testKeys("b", n)
-		from := blockLists(r, n, g.BlocksPerKey(), 0)
-		want := make([][]byte, n)
-		for i := range keys {
-			c.fill(r, from[i])
-			want[i] = c.data(from[i])
-		}
-		storeAndCheck(t, e, c, keys, from)
-		loadAndCompare(t, e, c, keys, blockLists(r, n, g.BlocksPerKey(), n*g.BlocksPerKey()), want)
+		storeAndLoadBack(t, e, n)
 		if !e.Stats().Mounts[0].LoadBuffered {
 			t.Fatal("the mount's stats do not say its loads read buffered")
 		}
@@ -115,6 +82,29 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 			t.Fatal("a memory mount's loads are bounded by readers")
 		}
 	})
+}
+
+// storeAndLoadBack stores n keys of random bytes in a fresh namespace of
+// the small geometry and loads them back into other blocks, requiring
+// every byte back.
+func storeAndLoadBack(t *testing.T, e *Engine, n int) {
+	t.Helper()
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 2*n*g.BlocksPerKey(), layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(uint64(n), 2))
+	keys := testKeys("r", n)
+	from := blockLists(r, n, g.BlocksPerKey(), 0)
+	want := make([][]byte, n)
+	for i := range keys {
+		c.fill(r, from[i])
+		want[i] = c.data(from[i])
+	}
+	storeAndCheck(t, e, c, keys, from)
+	loadAndCompare(t, e, c, keys, blockLists(r, n, g.BlocksPerKey(), n*g.BlocksPerKey()), want)
 }
 
 // residentPages returns how many of path's pages are in the page cache

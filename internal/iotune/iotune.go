@@ -17,6 +17,7 @@ package iotune
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"time"
 )
@@ -202,7 +203,6 @@ type Stats struct {
 	Inflight int             // readers now
 	Changes  uint64          // times tuning moved the arm
 	Rates    map[Arm]float64 // per arm, its last measured rate (bytes/s)
-	Ages     map[Arm]int     // per arm, the windows since it was measured
 }
 
 // Stats returns the Gate's state.
@@ -210,10 +210,7 @@ func (g *Gate) Stats() Stats {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	s := Stats{Arm: g.arm, Max: g.cfg.Max, Inflight: g.inflight, Changes: g.changes,
-		Rates: make(map[Arm]float64, len(g.tune.rate)), Ages: make(map[Arm]int, len(g.tune.rate))}
-	for l, r := range g.tune.rate {
-		s.Rates[l], s.Ages[l] = r, g.tune.age[l]
-	}
+		Rates: maps.Clone(g.tune.rate)}
 	return s
 }
 

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // disk is a model of a mount: its rate (bytes/s) at each arm.
@@ -149,6 +151,7 @@ func TestGateNeverLetsMoreReadersInThanItsLimit(t *testing.T) {
 			in++
 			most = max(most, in)
 			mu.Unlock()
+			runtime.Gosched() // others run while this one holds its reader
 			mu.Lock()
 			in--
 			mu.Unlock()
@@ -175,16 +178,7 @@ func TestGateAcquireEndsWithItsContextAndLosesNoReader(t *testing.T) {
 		_, err := g.Acquire(ctx)
 		done <- err
 	}()
-	// Wait until it waits, then cancel it.
-	for {
-		g.mu.Lock()
-		n := len(g.waiters)
-		g.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(t, "the Acquire to wait", 10*time.Second, func() bool { return waiting(g) == 1 })
 	cancel()
 	if err := <-done; !errors.Is(err, context.Canceled) {
 		t.Fatalf("Acquire after its context ended: %v", err)
@@ -219,23 +213,15 @@ func TestGateTunesItsLimitFromTheRateOfSaturatedWindows(t *testing.T) {
 			_, _ = g.Acquire(ctx)
 		}()
 	}
-	waiting := func() int {
-		g.mu.Lock()
-		defer g.mu.Unlock()
-		return len(g.waiters)
-	}
 	for files := 0; files < 4000; files++ {
 		// Loads outnumber the readers: one always waits (the mount is
 		// saturated, as when a prefix's files all wait for it).
-		for waiting() == 0 {
+		for waiting(g) == 0 {
 			before := g.Stats().Inflight
 			load()
-			for deadline := time.Now().Add(10 * time.Second); waiting() == 0 && g.Stats().Inflight == before; {
-				if time.Now().After(deadline) {
-					t.Fatal("a load neither took a reader nor waited")
-				}
-				runtime.Gosched()
-			}
+			testwait.Until(t, "a load to take a reader or wait", 10*time.Second, func() bool {
+				return waiting(g) > 0 || g.Stats().Inflight != before
+			})
 		}
 		// One reader ends its file: as long as one file takes at the
 		// rate of the readers in force.
@@ -273,15 +259,7 @@ func TestGateLearnsNothingFromUnmeasuredReads(t *testing.T) {
 				close(granted)
 			}
 		}()
-		for {
-			g.mu.Lock()
-			n := len(g.waiters)
-			g.mu.Unlock()
-			if n == 1 {
-				break
-			}
-			runtime.Gosched()
-		}
+		testwait.Until(t, "the load to wait", 10*time.Second, func() bool { return waiting(g) == 1 })
 		clk.advance(time.Millisecond)
 		if measured {
 			g.Release(bytes)
@@ -303,4 +281,11 @@ func TestGateLearnsNothingFromUnmeasuredReads(t *testing.T) {
 	if s := g.Stats(); len(s.Rates) != 1 {
 		t.Fatalf("two measured halves of a window measured nothing: %+v", s)
 	}
+}
+
+// waiting returns how many Acquires g has waiting.
+func waiting(g *Gate) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.waiters)
 }
