@@ -116,6 +116,7 @@ import torch  # noqa: E402
 
 import kvhost  # noqa: E402
 from kvhost import memory  # noqa: E402
+from kvhost.vllm._conn_common import layer_groups  # noqa: E402
 import vllm_specs  # noqa: E402  (client/python/tests: vLLM's specs stood in for)
 from ttft_model import Config, Model  # noqa: E402
 
@@ -603,11 +604,12 @@ class Bench:
                         rep["lookups"] = look.stop()
                     sched.shutdown()
             if "split" in a.modes and {"recompute", "suffix", "whole"} <= set(modes):
-                costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes)
+                first = layer_groups(self.cfg.layers, a.layers_per_load, a.layer_groups)[0][1]
+                costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes, first)
                 rep["split_costs"] = costs
-                rep["split_model"] = split_optimum(p, s, a.tokens_per_key, self.cfg.kv_bytes(p) / p, costs,
-                                                   modes["recompute"]["median_ms"])
                 sched = conn.scheduler(load_split="auto", **costs)
+                rep["split_model"] = split_optimum(p, s, a.tokens_per_key, sched.cost_model,
+                                                   modes["recompute"]["median_ms"])
                 try:
                     load_mode("split", lambda f: conn.request(sched, p, tokens, f))
                 finally:
@@ -797,11 +799,13 @@ def solve(rows, rhs):
     return [m[r][n] / m[r][r] for r in range(n)]
 
 
-def split_costs(p, s, half, prefix_bytes, modes):
+def split_costs(p, s, half, prefix_bytes, modes, first_layers=1):
     """The connector's cost options for the split at prefix p, suffix s,
     fitted to this run: the load rate layer-wise loads showed (the time
     their last layer arrived), else whole load's (its time less the
-    suffix's compute), and the prefill model compute(T, K) = fixed + a (T
+    suffix's compute), the load's latency (the first job, of first_layers
+    layers, past its bytes' time at that rate; 0 without layer-wise
+    loads), and the prefill model compute(T, K) = fixed + a (T
     - K) + b (T^2 - K^2) / 2 (T = p + s) through the computations measured
     with K cached: recompute (K = 0), half (K = half) and suffix (K = p).
     The fit is a least-squares one in relative error over the terms that
@@ -814,12 +818,16 @@ def split_costs(p, s, half, prefix_bytes, modes):
     ms = {"recompute": 0, "half": half, "suffix": p}
     pts = [(ms[m], modes[m]["median_ms"] / 1e3) for m in ("recompute", "half", "suffix") if m in modes]
     load_s = max(modes["whole"]["median_ms"] / 1e3 - modes["suffix"]["median_ms"] / 1e3, 1e-6)
+    latency_s = 0.0
     ready = modes.get("layerwise", {}).get("layer_ready_ms")
     if ready and modes["layerwise"].get("ok"):
         # The rate the connector learns in steady state is its own
         # layer-wise loads' (it observes its load jobs): the prefix's
-        # bytes over the time its last layer arrived.
+        # bytes over the time its last layer arrived. Its latency, as
+        # the connector learns it: the first job's time beyond what its
+        # layers' bytes take at that rate.
         load_s = max(ready[-1] / 1e3, 1e-6)
+        latency_s = max(0.0, (ready[0] - ready[-1] * first_layers / len(ready)) / 1e3)
     terms = [lambda k: 1.0, lambda k: float(t - k), lambda k: (t * t - k * k) / 2.0]
     coef, best = None, None
     for mask in range(1, 8):
@@ -839,23 +847,20 @@ def split_costs(p, s, half, prefix_bytes, modes):
                 coef[i] = x[j]
     if coef is None:  # every token alike
         coef = [0.0, pts[0][1] / t, 0.0]
-    return {"load_gbps": prefix_bytes / load_s / 1e9, "load_latency_ms": 0.0, "prefill_fixed_ms": coef[0] * 1e3,
+    return {"load_gbps": prefix_bytes / load_s / 1e9, "load_latency_ms": latency_s * 1e3, "prefill_fixed_ms": coef[0] * 1e3,
             "prefill_us_per_token": coef[1] * 1e6, "prefill_ns_per_token2": coef[2] * 1e9}
 
 
-def split_optimum(p, s, chunk, bytes_per_token, costs, recompute_ms):
-    """What the split's own cost model, with this run's rates (costs),
-    says is best: the K of least modelled TTFT over every chunk boundary
-    (and K = 0), that TTFT, and its ratio to the measured recomputation:
-    the figure a measured split is held against."""
-    from kvhost.vllm._split import CostModel
-    m = CostModel(bytes_per_token, costs["load_gbps"], costs["load_latency_ms"] / 1e3,
-                  costs["prefill_us_per_token"] / 1e6, costs["prefill_ns_per_token2"] / 1e9,
-                  costs["prefill_fixed_ms"] / 1e3, recover_s=0.0)
-    best = min(range(0, p + 1, chunk), key=lambda k: m.ttft_s(p + s, 0, k))
-    t = m.ttft_s(p + s, 0, best) * 1e3
+def split_optimum(p, s, chunk, model, recompute_ms):
+    """What the split's own cost model (model: the scheduler's CostModel,
+    with this run's rates, before any request taught it) says is best:
+    the K of least modelled TTFT over every chunk boundary (and K = 0),
+    that TTFT, its ratio to the measured recomputation (the figure a
+    measured split is held against), and the K the model chooses."""
+    best = min(range(0, p + 1, chunk), key=lambda k: model.ttft_s(p + s, 0, k))
+    t = model.ttft_s(p + s, 0, best) * 1e3
     return {"optimum_tokens": best, "optimum_ms": t, "optimum_ratio": t / recompute_ms,
-            "chosen_tokens": m.split(p + s, 0, p, chunk)}
+            "chosen_tokens": model.split(p + s, 0, p, chunk)}
 
 
 class Request:

@@ -106,6 +106,18 @@ class TestTtftBenchScript(unittest.TestCase):
         model = size["split_model"]  # the split's own model at this run's rates
         self.assertIn(model["optimum_tokens"], (0, 32, 64))
         self.assertGreater(model["optimum_ms"], 0)
+        # The latency the connector learns: the first layer's arrival past
+        # its share of the last one's (one layer per job here).
+        ready = size["modes"]["layerwise"]["layer_ready_ms"]
+        self.assertAlmostEqual(size["split_costs"]["load_latency_ms"], max(0.0, ready[0] - ready[-1] / 2), places=6)
+        # The optimum is the connector's own model's: its pipeline of two
+        # layers, one per job, at these costs (not the max of load and
+        # compute that a one-layer model would price).
+        from kvhost.vllm._conn_common import cost_model, options
+        opts = options({"load_split": "auto", "layers_per_load": 1, **size["split_costs"]})
+        cm = cost_model(opts, size["prefix_kv_bytes"] / 64, 2)
+        self.assertAlmostEqual(model["optimum_ms"], cm.ttft_s(80, 0, model["optimum_tokens"]) * 1e3, places=6)
+        self.assertEqual(model["chosen_tokens"], cm.split(80, 0, 64, 32))
         # The bound mode: the prefix's K/V copied in per layer, no daemon,
         # every block equal to the recomputation's; each load mode is
         # reported against it, repetition by repetition.
