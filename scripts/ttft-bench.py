@@ -776,9 +776,20 @@ class Bench:
                   + (f" bound {bound[-1]}" if bound else ""), flush=True)
         if "split" in med:
             opt = rep.get("split_model", {})
+            k = m["split"]["loaded_tokens"]
+            # The measured split against its model: at the tokens it
+            # loaded (how well the model priced them) and at its optimum.
+            nan = float("nan")
+            priced = opt.get("modelled_ms", {}).get(k)
+            if priced:
+                ratios["split/modelled_at_split_tokens"] = med["split"] / priced
+            if opt.get("optimum_ms"):
+                ratios["split/modelled_optimum"] = med["split"] / opt["optimum_ms"]
             print(f"ratio P {p} S {s} split/recompute {ratios['split/recompute']:.2f} "
-                  f"split_tokens {m['split']['loaded_tokens']} modelled_optimum/recompute "
-                  f"{opt.get('optimum_ratio', float('nan')):.2f} at_tokens {opt.get('optimum_tokens')}")
+                  f"split_tokens {k} modelled_optimum/recompute "
+                  f"{opt.get('optimum_ratio', nan):.2f} at_tokens {opt.get('optimum_tokens')} "
+                  f"split/modelled_at_split_tokens {ratios.get('split/modelled_at_split_tokens', nan):.2f} "
+                  f"split/modelled_optimum {ratios.get('split/modelled_optimum', nan):.2f}")
         rep["ratios"] = ratios
 
 
@@ -856,11 +867,13 @@ def split_optimum(p, s, chunk, model, recompute_ms):
     with this run's rates, before any request taught it) says is best:
     the K of least modelled TTFT over every chunk boundary (and K = 0),
     that TTFT, its ratio to the measured recomputation (the figure a
-    measured split is held against), and the K the model chooses."""
-    best = min(range(0, p + 1, chunk), key=lambda k: model.ttft_s(p + s, 0, k))
-    t = model.ttft_s(p + s, 0, best) * 1e3
-    return {"optimum_tokens": best, "optimum_ms": t, "optimum_ratio": t / recompute_ms,
-            "chosen_tokens": model.split(p + s, 0, p, chunk)}
+    measured split is held against), the K the model chooses (the
+    largest within split_min_gain of the least) and the modelled TTFT of
+    every K."""
+    priced = {k: model.ttft_s(p + s, 0, k) * 1e3 for k in range(0, p + 1, chunk)}
+    best = min(priced, key=priced.get)
+    return {"optimum_tokens": best, "optimum_ms": priced[best], "optimum_ratio": priced[best] / recompute_ms,
+            "chosen_tokens": model.split(p + s, 0, p, chunk), "modelled_ms": priced}
 
 
 class Request:

@@ -102,7 +102,8 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(data["machine"]["device"], "cpu")
         self.assertIn("fs_type", data["machine"]["mount"])
         self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+ "
-                                     r"modelled_optimum/recompute \d+\.\d\d at_tokens (0|32|64)")
+                                     r"modelled_optimum/recompute \d+\.\d\d at_tokens (0|32|64) "
+                                     r"split/modelled_at_split_tokens \d+\.\d\d split/modelled_optimum \d+\.\d\d")
         model = size["split_model"]  # the split's own model at this run's rates
         self.assertIn(model["optimum_tokens"], (0, 32, 64))
         self.assertGreater(model["optimum_ms"], 0)
@@ -118,6 +119,11 @@ class TestTtftBenchScript(unittest.TestCase):
         cm = cost_model(opts, size["prefix_kv_bytes"] / 64, 2)
         self.assertAlmostEqual(model["optimum_ms"], cm.ttft_s(80, 0, model["optimum_tokens"]) * 1e3, places=6)
         self.assertEqual(model["chosen_tokens"], cm.split(80, 0, 64, 32))
+        split = size["modes"]["split"]
+        self.assertAlmostEqual(size["ratios"]["split/modelled_at_split_tokens"],
+                               split["median_ms"] / model["modelled_ms"][str(split["loaded_tokens"])], places=6)
+        self.assertAlmostEqual(size["ratios"]["split/modelled_optimum"], split["median_ms"] / model["optimum_ms"],
+                               places=6)
         # The bound mode: the prefix's K/V copied in per layer, no daemon,
         # every block equal to the recomputation's; each load mode is
         # reported against it, repetition by repetition.

@@ -226,6 +226,122 @@ class RealKvConnectorTest(RealKvConnectorCase):
             self.engine(no_such_option=1)
 
 
+class RealSplitRecoveryTest(RealKvConnectorCase):
+    """The load-or-recompute split's learned load rate through vLLM's own
+    connector modules: a slow episode shrinks the claim, and once the
+    daemon is healthy again the claim returns to the whole prefix, by the
+    rate's recovery over time where nothing is loaded any more, and by the
+    healthy loads' own measurements where part still is. The prefill is
+    priced at 1 ms a token (a prompt of 144 tokens: about 0.14 s), so a
+    healthy local daemon's loads always beat recomputing."""
+
+    NBLK = 4 * BPC + 1              # 4 keys and a block of suffix
+    WHOLE = 4 * BPC * BLOCK         # the stored prefix's tokens
+    COSTS = {"load_split": "auto", "load_gbps": 10.0, "prefill_us_per_token": 1000.0,
+             "prefill_ns_per_token2": 0.0, "prefill_fixed_ms": 0.0, "load_latency_ms": 0.0}
+
+    def claim(self, sched, req):
+        return sched.get_num_new_matched_tokens(req, 0)[0]
+
+    def load_claim(self, sched, worker, req, ids):
+        """A step loading what the split claims of req into ids; returns
+        (the tokens claimed, vLLM's KVConnectorOutput)."""
+        n = self.claim(sched, req)
+        sched.update_state_after_alloc(req, self.blocks(ids), n)
+        req.num_computed_tokens = n
+        return n, self.step(sched, worker, self.output(new=[(req, ids)], scheduled={req.request_id: BLOCK}))
+
+    def test_after_a_frozen_daemon_the_claim_returns_to_the_whole_prefix(self):
+        # A load the frozen daemon leaves unended for daemon_wait_s is
+        # given up (vLLM recomputes its blocks): its bytes over the time
+        # the step had go into the rate, and the scheduler, whose pins the
+        # daemon did not answer either, claims nothing until it answers.
+        # Once thawed: the claim is the whole prefix again, the rate
+        # returns to the configured one (load_rate_recover_s), and the
+        # whole prefix loads byte for byte.
+        sched, worker, kv = self.engine(seed=11, daemon_wait_s=1.0, load_rate_recover_s=0.2, **self.COSTS)
+        src = list(range(1, 1 + self.NBLK))
+        self.save_prompt(sched, worker, self.request("a", "kvc-freeze", self.NBLK), src)
+        want = self.rows(kv, src[:4 * BPC])
+        req = self.request("b", "kvc-freeze", self.NBLK)
+        n = self.claim(sched, req)
+        self.assertEqual(n, self.WHOLE)
+        ids = list(range(12, 12 + self.NBLK))
+        sched.update_state_after_alloc(req, self.blocks(ids), n)
+        req.num_computed_tokens = n
+        self.daemon.freeze()
+        try:
+            out = self.step(sched, worker, self.output(new=[(req, ids)], scheduled={req.request_id: BLOCK}))
+            self.assertTrue(out.invalid_block_ids, "the frozen daemon's load was not given up")
+            self.assertLess(sched.cost_model.load_gbps, self.COSTS["load_gbps"] * 0.9)
+        finally:
+            self.daemon.thaw()
+        d.wait_for(lambda: self.claim(sched, self.request("c", "kvc-freeze", self.NBLK)) == self.WHOLE,
+                   what="the claim to return to the whole prefix")
+        d.wait_for(lambda: sched.cost_model.load_gbps > self.COSTS["load_gbps"] * 0.99,
+                   what="the learned rate to return to the configured one")
+        dst = list(range(24, 24 + self.NBLK))
+        out = self.load(sched, worker, self.request("e", "kvc-freeze", self.NBLK), dst, self.WHOLE)
+        self.assertEqual(out.invalid_block_ids, set())
+        self.assertEqual(self.rows(kv, dst[:4 * BPC]), want)
+
+    def slow_mount(self, sched, tag, until, seconds_per_prefix):
+        """Reports of a worker on a slow mount (vLLM carries them in
+        KVConnectorOutput's worker meta: five loads of the whole prefix,
+        seconds_per_prefix each) until until(the claim) holds; returns that
+        claim."""
+        from kvhost.vllm._conn_common import WorkerMeta
+        whole_bytes = self.WHOLE * len(NAMES) * HEADS * HEAD * 2 * 2  # K and V, bf16
+        for i in range(50):
+            n = self.claim(sched, self.request(f"slow{i}", tag, self.NBLK))
+            if until(n):
+                return n
+            wm = WorkerMeta(5 * whole_bytes, 5 * seconds_per_prefix, (), (), ())
+            sched.update_connector_output(self.outputs.KVConnectorOutput(
+                finished_sending=None, finished_recving=None, invalid_block_ids=set(), kv_connector_worker_meta=wm))
+        self.fail(f"50 reports of the slow mount did not move the claim there (last {n}, rate "
+                  f"{sched.cost_model.load_gbps:.3g} GB/s)")
+
+    def test_a_claim_a_slow_mount_took_to_nothing_returns_to_the_whole_prefix_with_time(self):
+        # So slow a mount that nothing is worth loading: no load measures
+        # the rate again, so only its recovery over time can bring it
+        # back, and it does (load_rate_recover_s). One report is the rate
+        # here (load_rate_alpha 1); the prefill is priced under what the
+        # scheduler learns its compute from (4.3 ms a prompt), so that
+        # only the load rate moves.
+        costs = dict(self.COSTS, prefill_us_per_token=30.0)
+        sched, worker, kv = self.engine(seed=13, load_rate_recover_s=2.0, load_rate_alpha=1.0, **costs)
+        src = list(range(1, 1 + self.NBLK))
+        self.save_prompt(sched, worker, self.request("a", "kvc-nothing", self.NBLK), src)
+        self.assertEqual(self.slow_mount(sched, "kvc-nothing", lambda n: n == 0, 30.0), 0)
+        d.wait_for(lambda: self.claim(sched, self.request("b", "kvc-nothing", self.NBLK)) == self.WHOLE,
+                   what="the claim to return to the whole prefix")
+
+    def test_after_a_slow_mount_the_healthy_loads_bring_the_claim_back_to_the_whole_prefix(self):
+        # The rate falls until part of the prefix is claimed. With the
+        # recovery over time off (load_rate_recover_s 0), the loads of
+        # that part, now from a healthy daemon, are what move the rate
+        # back: within a few of them the claim is the whole prefix again.
+        sched, worker, kv = self.engine(seed=12, load_rate_recover_s=0, **self.COSTS)
+        src = list(range(1, 1 + self.NBLK))
+        self.save_prompt(sched, worker, self.request("a", "kvc-slow", self.NBLK), src)
+        want = self.rows(kv, src[:4 * BPC])
+        shrunk = self.slow_mount(sched, "kvc-slow", lambda n: n < self.WHOLE, 0.5)
+        self.assertGreater(shrunk, 0, "the slow mount's rate left nothing to load: pick a faster slow mount")
+        sets = [list(range(12, 12 + self.NBLK)), list(range(24, 24 + self.NBLK))]
+        claims = []
+        for i in range(20):
+            dst = sets[i % 2]
+            n, out = self.load_claim(sched, worker, self.request(f"fast{i}", "kvc-slow", self.NBLK), dst)
+            claims.append(n)
+            self.assertEqual(out.invalid_block_ids, set())
+            self.assertEqual(self.rows(kv, dst[:n // BLOCK]), self.rows(kv, src[:n // BLOCK]))
+            if n == self.WHOLE:
+                break
+        self.assertEqual(claims[-1], self.WHOLE, f"claims after the slow mount: {claims}")
+        self.assertEqual(self.rows(kv, sets[(len(claims) - 1) % 2][:4 * BPC]), want)
+
+
 def free_port():
     """A TCP port of 127.0.0.1 free now (for the daemon's metrics listener)."""
     import socket
