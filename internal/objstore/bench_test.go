@@ -7,10 +7,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/objstore"
-	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/internal/objstore/objstoretest"
 )
 
 // BenchmarkLoadAgainstParallelGet loads 8 keys of 8 MiB from the bucket
@@ -32,18 +31,18 @@ func BenchmarkLoadAgainstParallelGet(b *testing.B) {
 func benchLoad(b *testing.B, workers int) {
 	cfg := rgwConfig(b)
 	cfg.RangeSize = 1 << 20
-	a := openNode(b, filepath.Join(b.TempDir(), "a"), cfg)
+	a := objstoretest.OpenNode(b, filepath.Join(b.TempDir(), "a"), cfg)
 	const n = 8
-	keys, _ := storeKeys(b, a, "bench", n)
-	c := openNodeSlots(b, engine.Mount{Path: filepath.Join(b.TempDir(), "c")}, cfg, func() guest.Policy { return lru.New() }, workers)
-	into := c.blocks(n, 0)
+	keys, _ := a.StoreKeys(b, "bench", n)
+	c := objstoretest.OpenNodeWith(b, engine.Mount{Path: filepath.Join(b.TempDir(), "c")}, cfg, objstoretest.Options{IOWorkers: workers})
+	into := c.Blocks(n, 0)
 	names := make([]string, n)
 	for i, k := range keys {
-		names[i] = c.store.Name(c.geo.Fingerprint(), k)
+		names[i] = c.Store.Name(c.Geo.Fingerprint(), k)
 	}
-	size := 4096 + c.geo.KeyBytes() // one key's file
+	size := 4096 + c.Geo.KeyBytes() // one key's file
 	buf := make([]byte, n*size)
-	raw := objstore.RawClient(c.store)
+	raw := objstore.RawClient(c.Store)
 	ctx := context.Background()
 	var load, ceiling time.Duration
 	getAll := func() {
@@ -55,7 +54,7 @@ func benchLoad(b *testing.B, workers int) {
 	}
 	loadAll := func() {
 		t := time.Now()
-		res := wait(b)(c.eng.Load(ctx, engine.LoadRequest{Cache: c.cache, Keys: keys, Blocks: into}))
+		res := objstoretest.Wait(b)(c.Eng.Load(ctx, engine.LoadRequest{Cache: c.Cache, Keys: keys, Blocks: into}))
 		load += time.Since(t)
 		for i, k := range res.Keys {
 			if k.Outcome != engine.OutcomeLoaded {

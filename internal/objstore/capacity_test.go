@@ -16,19 +16,20 @@ import (
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/objstore"
+	"github.com/kvhost/kvhost/internal/objstore/objstoretest"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/plugins/tiered"
 )
 
 // objectLen is the bytes of one key's object: a one-key file of
-// geometry().
-func objectLen() int64 { return 4096 + geometry().KeyBytes() }
+// objstoretest.Geometry().
+func objectLen() int64 { return 4096 + objstoretest.Geometry().KeyBytes() }
 
 // subscribe opens a subscription to n's removal feed, closed when the
 // test ends.
-func subscribe(t testing.TB, n *node) *removals.Subscription {
+func subscribe(t testing.TB, n *objstoretest.Node) *removals.Subscription {
 	t.Helper()
-	sub, _, _, err := n.eng.Removals().Subscribe(nil, 0, 0)
+	sub, _, _, err := n.Eng.Removals().Subscribe(nil, 0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,9 +61,9 @@ func recordsUntil(t testing.TB, sub *removals.Subscription, keys [][]byte) []rem
 // wantRecords fails the test unless recs are one record of each of keys,
 // for reason, from the object mount of n (one past its one file mount,
 // of class "object").
-func wantRecords(t testing.TB, n *node, recs []removals.Record, reason removals.Reason, keys [][]byte) {
+func wantRecords(t testing.TB, n *objstoretest.Node, recs []removals.Record, reason removals.Reason, keys [][]byte) {
 	t.Helper()
-	if m := n.eng.Removals().Mounts(); len(m) != 2 || m[1] != "object" {
+	if m := n.Eng.Removals().Mounts(); len(m) != 2 || m[1] != "object" {
 		t.Fatalf("the feed's mounts: %v, want the object mount second", m)
 	}
 	var got, want []string
@@ -83,11 +84,11 @@ func wantRecords(t testing.TB, n *node, recs []removals.Record, reason removals.
 }
 
 // present reports which of keys the bucket holds, asked of it.
-func present(t testing.TB, n *node, keys [][]byte) []bool {
+func present(t testing.TB, n *objstoretest.Node, keys [][]byte) []bool {
 	t.Helper()
 	out := make([]bool, len(keys))
 	for i, k := range keys {
-		_, err := objstore.RawClient(n.store).Get(context.Background(), n.store.Name(n.geo.Fingerprint(), k))
+		_, err := objstore.RawClient(n.Store).Get(context.Background(), n.Store.Name(n.Geo.Fingerprint(), k))
 		switch {
 		case err == nil:
 			out[i] = true
@@ -107,17 +108,17 @@ func present(t testing.TB, n *node, keys [][]byte) []bool {
 // listing. The used bytes stay within the bound, and what stays loads.
 func TestTheBoundEvictsTheLeastRecentlyUsedObjectsAndReportsEachEviction(t *testing.T) {
 	cfg := rgwConfig(t)
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
-	old, want := storeKeys(t, a, "bound-old", 3)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	old, want := a.StoreKeys(t, "bound-old", 3)
 	bounded := cfg
 	bounded.Capacity = 3 * objectLen()
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), bounded)
-	c := openNode(t, filepath.Join(t.TempDir(), "c"), cfg)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), bounded)
+	c := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "c"), cfg)
 	subB, subC := subscribe(t, b), subscribe(t, c)
-	loadAndCompare(t, b, old[:1], want[:1]) // a use: the first stays
-	added, _ := storeKeys(t, b, "bound-new", 1)
+	b.LoadAndCompare(t, old[:1], want[:1]) // a use: the first stays
+	added, _ := b.StoreKeys(t, "bound-new", 1)
 
-	st := b.store.Stats()
+	st := b.Store.Stats()
 	if st.Evicted != 2 || st.Used > bounded.Capacity || st.Full != 0 {
 		t.Fatalf("after an upload past the bound: %d evicted, %d of %d bytes used, %d refused; want 2 evicted, within the bound, none refused", st.Evicted, st.Used, bounded.Capacity, st.Full)
 	}
@@ -126,8 +127,8 @@ func TestTheBoundEvictsTheLeastRecentlyUsedObjectsAndReportsEachEviction(t *test
 	}
 	wantRecords(t, b, recordsUntil(t, subB, old[1:]), removals.Evicted, old[1:])
 	wantRecords(t, c, recordsUntil(t, subC, old[1:]), removals.Vanished, old[1:])
-	loadAndCompare(t, c, old[:1], want[:1])
-	if n, _ := c.eng.Lookup(context.Background(), c.ns, old[1:2]); n != 0 {
+	c.LoadAndCompare(t, old[:1], want[:1])
+	if n, _ := c.Eng.Lookup(context.Background(), c.NS, old[1:2]); n != 0 {
 		t.Fatal("an evicted object is still a hit on another node")
 	}
 }
@@ -138,25 +139,25 @@ func TestTheBoundEvictsTheLeastRecentlyUsedObjectsAndReportsEachEviction(t *test
 // still loads from its file.
 func TestAnObjectLargerThanTheBoundIsRefusedAndNothingIsLost(t *testing.T) {
 	cfg := rgwConfig(t)
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
-	kept, _ := storeKeys(t, a, "small-bound-kept", 1)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	kept, _ := a.StoreKeys(t, "small-bound-kept", 1)
 	small := cfg
 	small.Capacity = objectLen() - 1
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), small)
-	fill(newRand(5), b.mem)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), small)
+	objstoretest.Fill(b.Mem, 5)
 	keys := [][]byte{[]byte("too-large")}
-	src := b.blocks(1, 0)
-	b.put(t, keys, src)
-	want := [][]byte{b.data(src[0])}
-	testwait.Until(t, "the upload's end", time.Minute, func() bool { return b.store.Stats().Failed == 1 })
-	if st := b.store.Stats(); st.Full != 1 || st.Evicted != 0 || st.Uploaded != 0 {
+	src := b.Blocks(1, 0)
+	b.Put(t, keys, src)
+	want := [][]byte{b.Data(src[0])}
+	testwait.Until(t, "the upload's end", time.Minute, func() bool { return b.Store.Stats().Failed == 1 })
+	if st := b.Store.Stats(); st.Full != 1 || st.Evicted != 0 || st.Uploaded != 0 {
 		t.Fatalf("an object larger than the bound: %d refused for room, %d evicted, %d uploaded; want 1, 0, 0", st.Full, st.Evicted, st.Uploaded)
 	}
 	if got := present(t, b, append(slices.Clone(kept), keys...)); !slices.Equal(got, []bool{true, false}) {
 		t.Fatalf("in the bucket: %v, want the object stored before and not the refused one", got)
 	}
-	loadAndCompare(t, b, keys, want)
-	if err := b.store.Upload(context.Background(), b.geo.Fingerprint(), keys[0], firstFile(t, b.dir)); !errors.Is(err, objstore.ErrFull) {
+	b.LoadAndCompare(t, keys, want)
+	if err := b.Store.Upload(context.Background(), b.Geo.Fingerprint(), keys[0], firstFile(t, b.Dir)); !errors.Is(err, objstore.ErrFull) {
 		t.Fatalf("an upload larger than the bound: %v, want objstore.ErrFull", err)
 	}
 }
@@ -183,11 +184,11 @@ func firstFile(t testing.TB, dir string) string {
 // object mount, and a node opened after finds none.
 func TestPurgeRemovesTheNamespacesObjectsFromTheBucket(t *testing.T) {
 	cfg := rgwConfig(t)
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
-	keys, _ := storeKeys(t, a, "purged", 3)
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	keys, _ := a.StoreKeys(t, "purged", 3)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), cfg)
 	sub := subscribe(t, b)
-	r, err := b.eng.Purge(context.Background(), b.geo.Fingerprint())
+	r, err := b.Eng.Purge(context.Background(), b.Geo.Fingerprint())
 	if err != nil || r.Objects != len(keys) {
 		t.Fatalf("purge: %+v, %v; want %d objects removed", r, err, len(keys))
 	}
@@ -195,11 +196,11 @@ func TestPurgeRemovesTheNamespacesObjectsFromTheBucket(t *testing.T) {
 	if got := present(t, b, keys); slices.Contains(got, true) {
 		t.Fatalf("objects in the bucket after the purge: %v", got)
 	}
-	c := openNode(t, filepath.Join(t.TempDir(), "c"), cfg)
-	if n, _ := c.eng.Lookup(context.Background(), c.ns, keys[:1]); n != 0 {
+	c := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "c"), cfg)
+	if n, _ := c.Eng.Lookup(context.Background(), c.NS, keys[:1]); n != 0 {
 		t.Fatal("a node opened after the purge finds a purged key")
 	}
-	if st := b.store.Stats(); st.Purged != uint64(len(keys)) {
+	if st := b.Store.Stats(); st.Purged != uint64(len(keys)) {
 		t.Fatalf("Stats.Purged %d, want %d", st.Purged, len(keys))
 	}
 }
@@ -213,14 +214,14 @@ func TestAQuotaBelowTheBoundEvictsAndTriesAgain(t *testing.T) {
 	rgwCtl(t, "start-rgw")
 	one := cfg
 	one.Uploads, one.Requests, one.Capacity = 1, 1, 10*objectLen()
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), one)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), one)
 	rgwCtl(t, "bucket-quota", cfg.Bucket, "20971520") // 20 MiB: two objects of 8 MiB
 	var keys [][]byte
 	for i := range 3 {
-		k, _ := storeKeys(t, a, fmt.Sprintf("quota-%d", i), 1)
+		k, _ := a.StoreKeys(t, fmt.Sprintf("quota-%d", i), 1)
 		keys = append(keys, k...)
 	}
-	st := a.store.Stats()
+	st := a.Store.Stats()
 	if st.Uploaded != 3 || st.Evicted != 1 || st.Full != 0 {
 		t.Fatalf("three uploads into a quota of two: %d uploaded, %d evicted, %d refused; want 3, 1, 0", st.Uploaded, st.Evicted, st.Full)
 	}
@@ -239,40 +240,40 @@ func TestAQuotaBelowTheBoundEvictsAndTriesAgain(t *testing.T) {
 func TestTieredDemotesToTheBucketAndAnotherNodeLoadsWhatItDemoted(t *testing.T) {
 	cfg := rgwConfig(t)
 	mount := engine.Mount{Path: filepath.Join(t.TempDir(), "a"), Capacity: 3 * objectLen()}
-	a := openNodeWith(t, mount, cfg, func() guest.Policy { return tiered.New() })
-	fill(newRand(6), a.mem)
+	a := objstoretest.OpenNodeWith(t, mount, cfg, objstoretest.Options{NewPolicy: func() guest.Policy { return tiered.New() }})
+	objstoretest.Fill(a.Mem, 6)
 	keys := make([][]byte, 6)
 	var want [][]byte
 	for i := range keys {
 		keys[i] = fmt.Appendf(nil, "tiered-%d", i)
-		src := a.blocks(1, i*a.geo.BlocksPerKey())
-		a.put(t, keys[i:i+1], src)
-		want = append(want, a.data(src[0]))
+		src := a.Blocks(1, i*a.Geo.BlocksPerKey())
+		a.Put(t, keys[i:i+1], src)
+		want = append(want, a.Data(src[0]))
 	}
 	var demoted, wantDemoted [][]byte
 	for i, k := range keys {
-		if a.store.Has(a.geo.Fingerprint(), k) {
+		if a.Store.Has(a.Geo.Fingerprint(), k) {
 			demoted = append(demoted, k)
 			wantDemoted = append(wantDemoted, want[i])
 		}
 	}
-	st, ts := a.store.Stats(), a.eng.TierStats()
+	st, ts := a.Store.Stats(), a.Eng.TierStats()
 	if len(demoted) == 0 || st.Uploaded != 0 || ts.Demotions != uint64(len(demoted)) {
 		t.Fatalf("%d keys in the bucket, %d uploaded in the background, %d demotions; want the demoted alone, none copied when published", len(demoted), st.Uploaded, ts.Demotions)
 	}
-	if n, err := a.eng.Lookup(context.Background(), a.ns, keys); err != nil || n != len(keys) {
+	if n, err := a.Eng.Lookup(context.Background(), a.NS, keys); err != nil || n != len(keys) {
 		t.Fatalf("%d of %d keys hits on the demoting node (%v)", n, len(keys), err)
 	}
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
-	loadAndCompare(t, b, demoted, wantDemoted)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	b.LoadAndCompare(t, demoted, wantDemoted)
 
 	// A demoted key loaded on the demoting node is promoted back to its
 	// file mount, and loads from there.
-	loadAndCompare(t, a, demoted[:1], wantDemoted[:1])
-	testwait.Until(t, "the promotion", time.Minute, func() bool { return a.eng.TierStats().Promotions >= 1 })
-	gets := a.store.Stats().Gets
-	loadAndCompare(t, a, demoted[:1], wantDemoted[:1])
-	if a.store.Stats().Gets != gets {
+	a.LoadAndCompare(t, demoted[:1], wantDemoted[:1])
+	testwait.Until(t, "the promotion", time.Minute, func() bool { return a.Eng.TierStats().Promotions >= 1 })
+	gets := a.Store.Stats().Gets
+	a.LoadAndCompare(t, demoted[:1], wantDemoted[:1])
+	if a.Store.Stats().Gets != gets {
 		t.Fatal("the promoted key's next load read the bucket")
 	}
 	t.Logf("tiered over one mount of 3 keys and the bucket: %d of %d keys demoted to the bucket, 0 copied when published; another node loads them; one loaded on the first node is promoted back", len(demoted), len(keys))
@@ -285,10 +286,10 @@ func TestTheNodesOfAPrefixAgreeOnOneBound(t *testing.T) {
 	cfg := rgwConfig(t)
 	bounded := cfg
 	bounded.Capacity = 3 * objectLen()
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), bounded)
-	keys, _ := storeKeys(t, a, "agreed", 1)
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
-	if _, capacity, _ := b.store.Usage(); capacity != bounded.Capacity {
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), bounded)
+	keys, _ := a.StoreKeys(t, "agreed", 1)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	if _, capacity, _ := b.Store.Usage(); capacity != bounded.Capacity {
 		t.Fatalf("a node without a bound has %d, want the agreed %d", capacity, bounded.Capacity)
 	}
 	other := cfg
@@ -316,9 +317,9 @@ func TestABoundObjectThatHoldsNoBoundIsRefused(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := rgwConfig(t)
-			a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
-			keys, _ := storeKeys(t, a, "hostile", 1)
-			if err := objstore.RawClient(a.store).Put(context.Background(), cfg.Prefix+"kvhost-capacity", []byte(tc.body)); err != nil {
+			a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+			keys, _ := a.StoreKeys(t, "hostile", 1)
+			if err := objstore.RawClient(a.Store).Put(context.Background(), cfg.Prefix+"kvhost-capacity", []byte(tc.body)); err != nil {
 				t.Fatal(err)
 			}
 			for _, capacity := range []int64{0, 3 * objectLen()} {
@@ -340,8 +341,8 @@ func TestABoundObjectThatHoldsNoBoundIsRefused(t *testing.T) {
 // without one, and a node with one fails, naming the object.
 func TestABoundObjectTheStoreRefusesStopsOnlyANodeWithABound(t *testing.T) {
 	cfg := rgwConfig(t)
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
-	if err := objstore.RawClient(a.store).DenyGet(context.Background(), cfg.Prefix+"kvhost-capacity"); err != nil {
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	if err := objstore.RawClient(a.Store).DenyGet(context.Background(), cfg.Prefix+"kvhost-capacity"); err != nil {
 		t.Fatal(err)
 	}
 	st, err := objstore.Open(context.Background(), cfg)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/engine"
+	"github.com/kvhost/kvhost/internal/objstore/objstoretest"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -36,13 +37,13 @@ func restartRGW(t testing.TB) {
 
 // checkOutcomes fails the test where a key loaded other bytes than
 // stored, and returns how many loaded and failed.
-func checkOutcomes(t testing.TB, n *node, res engine.Result, keys, want [][]byte, into [][]int) (loaded, failed, missing int) {
+func checkOutcomes(t testing.TB, n *objstoretest.Node, res engine.Result, keys, want [][]byte, into [][]int) (loaded, failed, missing int) {
 	t.Helper()
 	for i, k := range res.Keys {
 		switch k.Outcome {
 		case engine.OutcomeLoaded:
 			loaded++
-			if !bytes.Equal(n.data(into[i]), want[i]) {
+			if !bytes.Equal(n.Data(into[i]), want[i]) {
 				t.Errorf("key %s: loaded with other bytes than stored", keys[i])
 			}
 		case engine.OutcomeFailed:
@@ -63,22 +64,22 @@ func checkOutcomes(t testing.TB, n *node, res engine.Result, keys, want [][]byte
 func TestRGWKilledMidGetFailsTheLoadWithinItsBoundAndLoadsNothingWrong(t *testing.T) {
 	cfg := rgwConfig(t)
 	rgwCtl(t, "start-rgw")
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
-	keys, want := storeKeys(t, a, "midget", 4)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	keys, want := a.StoreKeys(t, "midget", 4)
 	slow := cfg
 	slow.Requests, slow.RangeSize, slow.RequestTimeout = 1, 64<<10, 2*time.Second
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), slow)
-	into := b.blocks(len(keys), 0)
-	b.clearBlocks(into)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), slow)
+	into := b.Blocks(len(keys), 0)
+	b.ClearBlocks(into)
 	restartRGW(t)
 	start := time.Now()
-	j, err := b.eng.Load(context.Background(), engine.LoadRequest{Cache: b.cache, Keys: keys, Blocks: into})
+	j, err := b.Eng.Load(context.Background(), engine.LoadRequest{Cache: b.Cache, Keys: keys, Blocks: into})
 	if err != nil {
 		t.Fatal(err)
 	}
-	testwait.Until(t, "the load's first GETs", time.Minute, func() bool { return b.store.Stats().Gets >= 20 })
+	testwait.Until(t, "the load's first GETs", time.Minute, func() bool { return b.Store.Stats().Gets >= 20 })
 	rgwCtl(t, "kill-rgw")
-	res := wait(t)(j, nil)
+	res := objstoretest.Wait(t)(j, nil)
 	took := time.Since(start)
 	loaded, failed, _ := checkOutcomes(t, b, res, keys, want, into)
 	if failed == 0 {
@@ -90,7 +91,7 @@ func TestRGWKilledMidGetFailsTheLoadWithinItsBoundAndLoadsNothingWrong(t *testin
 	}
 	t.Logf("killed mid-GET: %d loaded, %d failed, in %v", loaded, failed, took.Round(time.Millisecond))
 	rgwCtl(t, "start-rgw")
-	loadAndCompare(t, b, keys, want)
+	b.LoadAndCompare(t, keys, want)
 }
 
 // TestRGWPausedEndpointFailsTheLoadWithinTheRequestTimeout: a radosgw
@@ -99,16 +100,16 @@ func TestRGWKilledMidGetFailsTheLoadWithinItsBoundAndLoadsNothingWrong(t *testin
 func TestRGWPausedEndpointFailsTheLoadWithinTheRequestTimeout(t *testing.T) {
 	cfg := rgwConfig(t)
 	rgwCtl(t, "start-rgw")
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), cfg)
-	keys, want := storeKeys(t, a, "paused", 2)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), cfg)
+	keys, want := a.StoreKeys(t, "paused", 2)
 	hung := cfg
 	hung.RequestTimeout = time.Second
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), hung)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), hung)
 	restartRGW(t)
 	rgwCtl(t, "pause-rgw")
-	into := b.blocks(len(keys), 0)
+	into := b.Blocks(len(keys), 0)
 	start := time.Now()
-	res := b.load(t, keys, into)
+	res := b.Load(t, keys, into)
 	took := time.Since(start)
 	loaded, failed, _ := checkOutcomes(t, b, res, keys, want, into)
 	if loaded != 0 || failed != len(keys) {
@@ -129,35 +130,34 @@ func TestRGWKilledMidPutPublishesNoHalfObject(t *testing.T) {
 	rgwCtl(t, "start-rgw")
 	slow := cfg
 	slow.Requests, slow.Uploads, slow.RequestTimeout = 1, 1, 2*time.Second
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), slow)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), slow)
 	restartRGW(t)
-	r := newRand(11)
-	fill(r, a.mem)
+	objstoretest.Fill(a.Mem, 11)
 	const n = 8
 	keys := make([][]byte, n)
 	for i := range keys {
 		keys[i] = []byte("midput-" + string(rune('a'+i)))
 	}
-	src := a.blocks(n, 0)
-	a.put(t, keys, src)
+	src := a.Blocks(n, 0)
+	a.Put(t, keys, src)
 	want := make([][]byte, n)
 	for i := range keys {
-		want[i] = a.data(src[i])
+		want[i] = a.Data(src[i])
 	}
-	testwait.Until(t, "the first upload", time.Minute, func() bool { return a.store.Stats().Uploaded >= 1 })
+	testwait.Until(t, "the first upload", time.Minute, func() bool { return a.Store.Stats().Uploaded >= 1 })
 	rgwCtl(t, "kill-rgw")
 	testwait.Until(t, "every upload to end", 2*time.Minute, func() bool {
-		st := a.store.Stats()
+		st := a.Store.Stats()
 		return st.Uploaded+st.Failed == n
 	})
-	st := a.store.Stats()
+	st := a.Store.Stats()
 	if st.Failed == 0 {
 		t.Fatalf("every upload succeeded (%+v): the test did not kill the radosgw mid-PUT", st)
 	}
 	rgwCtl(t, "start-rgw")
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
-	into := b.blocks(n, 0)
-	res := b.load(t, keys, into)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	into := b.Blocks(n, 0)
+	res := b.Load(t, keys, into)
 	loaded, failed, missing := checkOutcomes(t, b, res, keys, want, into)
 	if failed != 0 || loaded == 0 {
 		t.Fatalf("after the kill: %d loaded, %d failed, %d missing; want none failed and some loaded", loaded, failed, missing)
@@ -176,28 +176,27 @@ func TestFullBucketFailsUploadsAndKeepsWhatItHas(t *testing.T) {
 	// room for themselves, and then none for the whole.
 	one := cfg
 	one.Uploads, one.Requests = 1, 1
-	a := openNode(t, filepath.Join(t.TempDir(), "a"), one)
+	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), one)
 	rgwCtl(t, "bucket-quota", cfg.Bucket, "12582912") // 12 MiB: one object of 8 MiB
-	r := newRand(13)
-	fill(r, a.mem)
+	objstoretest.Fill(a.Mem, 13)
 	keys := [][]byte{[]byte("full-a"), []byte("full-b"), []byte("full-c")}
-	src := a.blocks(len(keys), 0)
-	a.put(t, keys, src)
+	src := a.Blocks(len(keys), 0)
+	a.Put(t, keys, src)
 	want := make([][]byte, len(keys))
 	for i := range keys {
-		want[i] = a.data(src[i])
+		want[i] = a.Data(src[i])
 	}
 	testwait.Until(t, "every upload to end", time.Minute, func() bool {
-		st := a.store.Stats()
+		st := a.Store.Stats()
 		return st.Uploaded+st.Failed == uint64(len(keys))
 	})
-	st := a.store.Stats()
+	st := a.Store.Stats()
 	if st.Failed == 0 || st.Uploaded == 0 || st.Full != st.Failed {
 		t.Fatalf("uploads into a bucket with room for one object: %d done, %d failed, %d of them for room; want both, every failure for room", st.Uploaded, st.Failed, st.Full)
 	}
-	b := openNode(t, filepath.Join(t.TempDir(), "b"), cfg)
-	into := b.blocks(len(keys), 0)
-	res := b.load(t, keys, into)
+	b := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "b"), cfg)
+	into := b.Blocks(len(keys), 0)
+	res := b.Load(t, keys, into)
 	loaded, failed, missing := checkOutcomes(t, b, res, keys, want, into)
 	if failed != 0 || uint64(loaded) != st.Uploaded {
 		t.Fatalf("from the full bucket: %d loaded, %d failed, %d missing; want the %d uploaded loaded", loaded, failed, missing, st.Uploaded)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/objstore"
+	"github.com/kvhost/kvhost/internal/objstore/objstoretest"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -157,7 +158,7 @@ func rangedStore(t *testing.T, rs int64) *objstore.Store {
 func putRandom(t *testing.T, st *objstore.Store, key []byte, size int64) []byte {
 	t.Helper()
 	b := make([]byte, size)
-	fill(newRand(uint64(size)), b)
+	objstoretest.Fill(b, uint64(size))
 	if err := objstore.RawClient(st).Put(context.Background(), st.Name(1, key), b); err != nil {
 		t.Fatal(err)
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/s3/types"
 	"github.com/aws/smithy-go"
 
+	"github.com/kvhost/kvhost/internal/objstore/objstoretest"
 	"github.com/kvhost/kvhost/internal/s3local"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
@@ -293,7 +294,7 @@ func TestSDKMultipartChecksItsParts(t *testing.T) {
 // both store the bytes. A PUT naming a wrong checksum is BadDigest and
 // stores nothing.
 func TestSDKChecksumsAreChecked(t *testing.T) {
-	srv, err := s3local.New(s3local.Config{Dir: t.TempDir(), AccessKey: testAccess, SecretKey: testSecret, Logger: quiet()})
+	srv, err := s3local.New(s3local.Config{Dir: t.TempDir(), AccessKey: testAccess, SecretKey: testSecret, Logger: objstoretest.Quiet()})
 	if err != nil {
 		t.Fatal(err)
 	}
