@@ -122,6 +122,7 @@ func engineSnapshot(st engine.Stats) metrics.EngineStats {
 		Tiering: metrics.TierStats{
 			Demotions: st.Tiering.Demotions, Promotions: st.Tiering.Promotions, Moves: st.Tiering.Moves,
 			MoveFailures: st.Tiering.MoveFailures, DemotionDeletes: st.Tiering.DemotionDeletes, Deduped: st.Tiering.Deduped,
+			ObjectUploads: st.Tiering.ObjectUploads, ObjectUploadBytes: st.Tiering.ObjectUploadBytes, ObjectUploadFailures: st.Tiering.ObjectUploadFailures,
 		},
 		Namespaces: make([]metrics.NamespaceStats, len(st.Namespaces)),
 		Mounts:     make([]metrics.MountStats, len(st.Mounts)),

@@ -86,6 +86,12 @@ type TierStats struct {
 	MountUpdates uint64
 	// Ticks counts tick calls.
 	Ticks uint64
+	// ObjectUploads and ObjectUploadBytes count the files the object
+	// demoter copied to the object mount (objdemote.go), ahead of need or
+	// for an eviction that waited, and their bytes; ObjectUploadFailures,
+	// its uploads that failed (not those cancelled, nor those of files
+	// gone meanwhile).
+	ObjectUploads, ObjectUploadBytes, ObjectUploadFailures uint64
 }
 
 // tierCounters are the atomic counters behind TierStats.
@@ -216,11 +222,15 @@ func (t *tiering) stats() TierStats {
 	if t.objs != nil && t.objs.promoter != nil {
 		promotions += t.objs.promoter.promoted.Load()
 	}
-	return TierStats{
+	st := TierStats{
 		Demotions: c.demotions.Load(), Moves: c.moves.Load(), Promotions: promotions, MoveFailures: c.moveFailures.Load(),
 		DemotionDeletes: c.demotionDeletes.Load(), Deduped: c.deduped.Load(),
 		MountUpdates: c.mountUpdates.Load(), Ticks: c.ticks.Load(),
 	}
+	if d := t.demoter; d != nil {
+		st.ObjectUploads, st.ObjectUploadBytes, st.ObjectUploadFailures = d.uploaded.Load(), d.uploadedBytes.Load(), d.failed.Load()
+	}
+	return st
 }
 
 // moved is the sum of the move counters, for Activity.Moved.
@@ -561,7 +571,7 @@ func (t *tiering) demoteToObjects(ctx context.Context, v policy.Eviction, upload
 		}
 		err = t.demoter.upload(ctx, v.Entry, fp, keys, path)
 	} else {
-		err = t.objs.copy(ctx, fp, keys, path)
+		_, err = t.objs.copy(ctx, fp, keys, path)
 	}
 	switch {
 	case err == nil:

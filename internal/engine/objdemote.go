@@ -28,6 +28,16 @@ import (
 // store fails for room at once). A file is never dropped for the object
 // mount before its upload succeeded, unless the bucket refused it for
 // room and the policy said MOVE_DELETE_IF_FULL.
+//
+// A pass asks the policy only where its answer may have changed since
+// the last pass that asked: the policy was told something (a store, a
+// hit, a pin, a removal, a move, a mount description: switchPolicy.
+// changes), the bucket lost an object behind the engine's calls, that
+// pass left something to retry (a failed call or upload), an eviction
+// woke the demoter, or demoteRecheck passed (for a policy whose victims
+// change with time or its own tick alone). An idle daemon above its low
+// watermark then makes no policy call at each tick, where it made one
+// per mount.
 
 // Tuning of the demoter.
 const (
@@ -37,6 +47,10 @@ const (
 	// demoteBackoff and maxDemoteBackoff bound the pause after an upload
 	// of the demoter's failed: the bucket is not asked again meanwhile.
 	demoteBackoff, maxDemoteBackoff = time.Second, 30 * time.Second
+	// demoteRecheck is the longest a pass goes without asking the
+	// policy while a file mount is above its low watermark, however
+	// little changed.
+	demoteRecheck = 10 * time.Second
 )
 
 // objectDemoter copies files to the object mount ahead of their
@@ -59,11 +73,29 @@ type objectDemoter struct {
 	// the last failure was the bucket's refusal for room (ENOSPC).
 	pause time.Duration
 	full  bool
+	// recheck is demoteRecheck (a test lengthens it).
+	recheck time.Duration
 
-	// uploaded counts the files the demoter copied; failed, its uploads
-	// that failed.
-	uploaded, failed atomic.Uint64
+	// uploaded and uploadedBytes count the files the demoter copied and
+	// their bytes; failed, its uploads that failed.
+	uploaded, uploadedBytes, failed atomic.Uint64
+
+	// told is the policy's change count (switchPolicy.changes; nil:
+	// every pass asks the policy).
+	told func() uint64
+	// last is what the last pass that asked the policy started from,
+	// asked when, and clean whether it left nothing to retry: only run's
+	// goroutine uses them. skipped counts the passes that did not ask.
+	last    demoteState
+	asked   time.Time
+	clean   bool
+	skipped atomic.Uint64
 }
+
+// demoteState is what the policy's victims for the demoter depend on,
+// besides time: what the policy was told, and the objects the bucket
+// lost.
+type demoteState struct{ told, lost uint64 }
 
 // objectUpload is an upload of an entry's file under way: done is
 // closed once err is set.
@@ -75,8 +107,12 @@ type objectUpload struct {
 // newObjectDemoter returns the demoter of t, which runs a pass every
 // interval until stopped.
 func newObjectDemoter(t *tiering, every time.Duration) *objectDemoter {
-	return &objectDemoter{t: t, every: every, kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{}), inflight: map[uint64]*objectUpload{},
-		minPause: demoteBackoff, maxPause: maxDemoteBackoff}
+	d := &objectDemoter{t: t, every: every, kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{}), inflight: map[uint64]*objectUpload{},
+		minPause: demoteBackoff, maxPause: maxDemoteBackoff, recheck: demoteRecheck}
+	if sp, ok := t.pol.(*switchPolicy); ok {
+		d.told = sp.changes
+	}
+	return d
 }
 
 // wake asks for a pass soon; it never blocks.
@@ -105,11 +141,13 @@ func (d *objectDemoter) run() {
 	tk := time.NewTicker(d.every)
 	defer tk.Stop()
 	for {
+		woken := false
 		select {
 		case <-d.stop:
 			return
 		case <-tk.C:
 		case <-d.kick:
+			woken = true
 		}
 		d.mu.Lock()
 		pause := d.pause
@@ -121,7 +159,7 @@ func (d *objectDemoter) run() {
 			case <-time.After(pause):
 			}
 		}
-		d.pass(ctx)
+		d.pass(ctx, woken)
 	}
 }
 
@@ -132,24 +170,41 @@ func (d *objectDemoter) run() {
 // keys; it returns once they are uploaded or failed. Files stored since
 // are warmer than those: the next eviction finds its victims uploaded
 // where the uploads kept up with the stores from the low watermark to
-// the high one.
-func (d *objectDemoter) pass(ctx context.Context) {
+// the high one. Unless woken (an eviction left a victim the bucket
+// lacks), it asks the policy nothing where nothing its answer depends on
+// changed since the last pass that asked (asks).
+func (d *objectDemoter) pass(ctx context.Context, woken bool) {
 	t := d.t
 	if !t.demotes() {
 		return
 	}
+	usages := t.space.Usages()[:t.kvMounts]
+	var above []int
+	for i, u := range usages {
+		if t.mounts[i].cluster == nil && u.Used > u.Low {
+			above = append(above, i) // a cluster mount's victims are the cluster's; below low, no eviction is near
+		}
+	}
+	if len(above) == 0 {
+		return
+	}
+	if t.hits != nil {
+		t.hits.flush() // rank with every hit reported so far
+	}
+	if !d.asks(woken) {
+		d.skipped.Add(1)
+		return
+	}
 	var wg sync.WaitGroup
+	var dirty atomic.Bool
+	defer func() { d.clean = !dirty.Load() }()
 	slots := make(chan struct{}, demoteUploads)
-	for i, u := range t.space.Usages()[:t.kvMounts] {
-		if t.mounts[i].cluster != nil || u.Used <= u.Low {
-			continue // a cluster mount's victims are the cluster's; below low, no eviction is near
-		}
+	for _, i := range above {
+		u := usages[i]
 		goal := max(u.Used, u.High) - u.Low + (u.High-u.Low)/4
-		if t.hits != nil {
-			t.hits.flush() // rank with every hit reported so far
-		}
 		victims, err := t.evictions(ctx, abi.EvictRequest{Bytes: uint64(goal), Time: uint64(t.now().UnixNano()), Mount: uint32(i)})
 		if err != nil {
+			dirty.Store(true)
 			t.log.Debug("engine: policy victims for the object mount's uploads", "mount", t.mounts[i].root, "err", err)
 			continue
 		}
@@ -179,11 +234,33 @@ func (d *objectDemoter) pass(ctx context.Context) {
 			go func() {
 				defer wg.Done()
 				defer func() { <-slots }()
-				d.upload(ctx, v.Entry, fp, keys, path)
+				if d.upload(ctx, v.Entry, fp, keys, path) != nil {
+					dirty.Store(true)
+				}
 			}()
 		}
 	}
 	wg.Wait()
+}
+
+// asks reports whether a pass asks the policy for victims, and if so
+// notes what it starts from: where woken, where the demoter cannot tell
+// what the policy was told, where the last pass that asked left
+// something to retry or was recheck ago, and where the policy was told
+// something or the bucket lost an object since.
+func (d *objectDemoter) asks(woken bool) bool {
+	if d.told == nil {
+		return true
+	}
+	d.mu.Lock()
+	recheck := d.recheck
+	d.mu.Unlock()
+	now := demoteState{told: d.told(), lost: d.t.objs.lost.Load()}
+	if !woken && d.clean && now == d.last && time.Since(d.asked) < recheck {
+		return false
+	}
+	d.last, d.asked = now, time.Now()
+	return true
 }
 
 // failing reports whether the last upload to the object mount failed
@@ -215,12 +292,20 @@ func (d *objectDemoter) upload(ctx context.Context, id, fp uint64, keys []string
 	d.inflight[id] = up
 	d.mu.Unlock()
 
-	up.err = d.t.objs.copy(ctx, fp, keys, path)
+	var size uint64
+	if pe, ok := d.t.ix.Files().PolicyEntry(id); ok {
+		size = pe.Size
+	}
+	sent, err := d.t.objs.copy(ctx, fp, keys, path)
+	up.err = err
 	d.mu.Lock()
 	delete(d.inflight, id)
 	switch {
 	case up.err == nil:
-		d.uploaded.Add(1)
+		if sent {
+			d.uploaded.Add(1)
+			d.uploadedBytes.Add(size)
+		}
 		d.pause, d.full = 0, false
 	case errors.Is(up.err, fs.ErrNotExist):
 		// The file went meanwhile (evicted, deleted): no fault of the

@@ -12,6 +12,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
@@ -102,6 +103,10 @@ type objectTier struct {
 	st    *counters
 	io    *fsys.InFlight
 	log   *slog.Logger
+	// lost counts the objects that left the object mount behind the
+	// engine's calls (gone): the demoter's cue that a key it uploaded may
+	// need uploading again.
+	lost atomic.Uint64
 }
 
 // DefaultObjectKeys is the least Config.ObjectKeys: the keys a load
@@ -145,6 +150,7 @@ func (o *objectTier) watch() {
 // mount, evicted for room or found gone, where no file holds the key:
 // else the key is still stored.
 func (o *objectTier) gone(fp uint64, key []byte, evicted bool) {
+	o.lost.Add(1)
 	reason := removals.Vanished
 	if evicted {
 		reason = removals.Evicted
@@ -221,16 +227,20 @@ func (o *objectTier) description() (r abi.MountRecord, ok bool) {
 }
 
 // copy copies the file at path, of keys of namespace fp, to the object
-// mount now, unless it holds the key already (a demotion there). A file
-// of several keys is not copied (ErrUnsupported).
-func (o *objectTier) copy(ctx context.Context, fp uint64, keys []string, path string) error {
+// mount now, unless it holds the key already (a demotion there), and
+// reports whether it sent the file. A file of several keys is not copied
+// (ErrPolicy).
+func (o *objectTier) copy(ctx context.Context, fp uint64, keys []string, path string) (sent bool, err error) {
 	if len(keys) != 1 {
-		return fmt.Errorf("%w: the object mount takes files of one key, %s holds %d", ErrPolicy, path, len(keys))
+		return false, fmt.Errorf("%w: the object mount takes files of one key, %s holds %d", ErrPolicy, path, len(keys))
 	}
 	if o.objs.Has(fp, []byte(keys[0])) {
-		return nil
+		return false, nil
 	}
-	return o.objs.Upload(ctx, fp, []byte(keys[0]), path)
+	if err := o.objs.Upload(ctx, fp, []byte(keys[0]), path); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // only returns the keys (of the set keys) of ns that the object mount

@@ -7,11 +7,13 @@ import (
 	"errors"
 	"math/rand/v2"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/engine/removals"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
@@ -25,12 +27,44 @@ import (
 // namespace and a cache of 96 blocks.
 func openDemoting(t *testing.T, objs *memObjects) (*Engine, NamespaceID, *testCache) {
 	t.Helper()
+	return openDemotingWith(t, objs, newObjectPolicy(), 0)
+}
+
+// newObjectPolicy returns a policy that demotes every victim to the
+// object mount (mount 1).
+func newObjectPolicy() *objectPolicy {
+	return &objectPolicy{demotingPolicy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+}
+
+// openDemotingWith is openDemoting with pol as the policy and updates as
+// Config.MountUpdateInterval.
+func openDemotingWith(t *testing.T, objs *memObjects, pol policy.Policy, updates time.Duration) (*Engine, NamespaceID, *testCache) {
+	t.Helper()
 	g := smallGeometry(true)
-	pol := &objectPolicy{demotingPolicy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
 	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 10 * (4096 + g.KeyBytes()), HighWatermark: 0.95, LowWatermark: 0.5}},
-		Policy: pol, Objects: objs, TickInterval: 10 * time.Millisecond})
+		Policy: pol, Objects: objs, TickInterval: 10 * time.Millisecond, MountUpdateInterval: updates})
 	ns, c := declareSmall(t, e, 96)
 	return e, ns, c
+}
+
+// openFailingBucket is openDemoting with objs refusing every upload
+// (EIO) until accept, and the demoter pausing 10 ms after a failure.
+func openFailingBucket(t *testing.T, objs *memObjects) (*Engine, NamespaceID, *testCache) {
+	t.Helper()
+	objs.refuse = syscall.EIO
+	e, ns, c := openDemoting(t, objs)
+	d := e.tier.demoter
+	d.mu.Lock()
+	d.minPause, d.maxPause = 10*time.Millisecond, 10*time.Millisecond // before any failure
+	d.mu.Unlock()
+	return e, ns, c
+}
+
+// accept has o take uploads again (refuse no more).
+func (o *memObjects) accept() {
+	o.mu.Lock()
+	o.refuse = nil
+	o.mu.Unlock()
 }
 
 // storeOneByOne stores keys[from:to] one by one, key i from blocks 4i to
@@ -146,12 +180,7 @@ func TestAStoreWhoseVictimsAreNotInTheBucketLosesNothing(t *testing.T) {
 // the same store completes.
 func TestAStoreDoesNotWaitOnABucketThatFails(t *testing.T) {
 	objs := newMemObjects(t)
-	objs.refuse = syscall.EIO
-	e, ns, c := openDemoting(t, objs)
-	d := e.tier.demoter
-	d.mu.Lock()
-	d.minPause, d.maxPause = 10*time.Millisecond, 10*time.Millisecond // before any failure
-	d.mu.Unlock()
+	e, ns, c := openFailingBucket(t, objs)
 	r := rand.New(rand.NewPCG(95, 7))
 	keys := testKeys("failing", 11)
 	want := storeOneByOne(t, e, c, r, keys, 0, 6) // above the low watermark: the demoter tries, and fails
@@ -178,9 +207,7 @@ func TestAStoreDoesNotWaitOnABucketThatFails(t *testing.T) {
 			t.Fatalf("key %d: its file was dropped, not uploaded", i)
 		}
 	}
-	objs.mu.Lock()
-	objs.refuse = nil
-	objs.mu.Unlock()
+	objs.accept()
 	testwait.Until(t, "the uploads after the failure", 30*time.Second, func() bool {
 		failing, _ := e.tier.demoter.failing()
 		return !failing && objs.Has(c.geo.Fingerprint(), keys[0])
@@ -199,4 +226,132 @@ func fourBlocks(first, n int) [][]int {
 		out[i] = []int{b, b + 1, b + 2, b + 3}
 	}
 	return out
+}
+
+// bucketUploads returns how many files Upload copied to objs and the
+// bytes of every object it holds, and how many Published copied.
+func (o *memObjects) bucketUploads() (uploads, published int, bytes uint64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, b := range o.objs {
+		bytes += uint64(len(b))
+	}
+	return o.uploads, o.published, bytes
+}
+
+// TestTheDemoterCountsEachFileItUploadsAndItsBytes: the files a demoter
+// pass uploads ahead of need are counted in TierStats, one upload each
+// with its file's bytes, as many and as large as what the bucket took,
+// and no failure.
+func TestTheDemoterCountsEachFileItUploadsAndItsBytes(t *testing.T) {
+	objs := newMemObjects(t)
+	e, _, c := openDemoting(t, objs)
+	r := rand.New(rand.NewPCG(95, 8))
+	keys := testKeys("counted", 6)
+	storeOneByOne(t, e, c, r, keys, 0, 6) // above the low watermark: the 5 coldest at least are uploaded
+	var st TierStats
+	testwait.Until(t, "the uploads ahead of need, counted", 10*time.Second, func() bool {
+		st = e.TierStats()
+		n, _, bytes := objs.bucketUploads()
+		return n >= 5 && st.ObjectUploads == uint64(n) && st.ObjectUploadBytes == bytes
+	})
+	if n, published, _ := objs.bucketUploads(); published != 0 {
+		t.Fatalf("%d files published to the bucket besides %d uploads; want its objects the demoter's alone", published, n)
+	}
+	if st.ObjectUploadBytes != st.ObjectUploads*uint64(4096+c.geo.KeyBytes()) {
+		t.Fatalf("%d uploads of %d bytes; want %d bytes each", st.ObjectUploads, st.ObjectUploadBytes, 4096+c.geo.KeyBytes())
+	}
+	if st.ObjectUploadFailures != 0 {
+		t.Fatalf("%d upload failures, none refused", st.ObjectUploadFailures)
+	}
+}
+
+// TestAFailedDemoterUploadCountsAFailureAndNoUpload: an upload the bucket
+// refuses counts a failure, not an upload nor its bytes; once the bucket
+// takes them again, the uploads count and the failures stay.
+func TestAFailedDemoterUploadCountsAFailureAndNoUpload(t *testing.T) {
+	objs := newMemObjects(t)
+	e, _, c := openFailingBucket(t, objs)
+	r := rand.New(rand.NewPCG(95, 9))
+	keys := testKeys("refused", 6)
+	storeOneByOne(t, e, c, r, keys, 0, 6)
+	var st TierStats
+	testwait.Until(t, "a refused upload, counted", 10*time.Second, func() bool {
+		st = e.TierStats()
+		return st.ObjectUploadFailures > 0 && st.ObjectUploadFailures == uint64(objs.tried.Load())
+	})
+	if st.ObjectUploads != 0 || st.ObjectUploadBytes != 0 {
+		t.Fatalf("%d uploads of %d bytes counted; the bucket refused every one", st.ObjectUploads, st.ObjectUploadBytes)
+	}
+	objs.accept()
+	failed := e.TierStats().ObjectUploadFailures
+	testwait.Until(t, "the uploads once the bucket takes them", 10*time.Second, func() bool {
+		st = e.TierStats()
+		n, _, bytes := objs.bucketUploads()
+		return n >= 5 && st.ObjectUploads == uint64(n) && st.ObjectUploadBytes == bytes
+	})
+	if st.ObjectUploadFailures != failed {
+		t.Fatalf("%d upload failures after the bucket took them again, %d before", st.ObjectUploadFailures, failed)
+	}
+}
+
+// askingPolicy is an objectPolicy that counts the victims asked of it.
+type askingPolicy struct {
+	*objectPolicy
+	asked atomic.Int64
+}
+
+func (p *askingPolicy) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	p.asked.Add(1)
+	return p.objectPolicy.Evictions(ctx, req, max)
+}
+
+// TestAnIdleDemoterAsksThePolicyNothingUntilSomethingChanges: above the
+// low watermark, once its uploads are done, the demoter's passes ask the
+// policy for no victims while nothing changes; once the bucket loses an
+// object (with no mount description sent to the policy since), a pass
+// asks and uploads it again, and once a load hits a key, a pass asks
+// again.
+func TestAnIdleDemoterAsksThePolicyNothingUntilSomethingChanges(t *testing.T) {
+	objs := newMemObjects(t)
+	pol := &askingPolicy{objectPolicy: newObjectPolicy()}
+	e, _, c := openDemotingWith(t, objs, pol, -1) // the mounts described at Open only
+	d := e.tier.demoter
+	d.mu.Lock()
+	d.recheck = time.Hour // only changes make a pass ask
+	d.mu.Unlock()
+	fp := c.geo.Fingerprint()
+	r := rand.New(rand.NewPCG(95, 10))
+	keys := testKeys("idle", 6)
+	want := storeOneByOne(t, e, c, r, keys, 0, 6)
+	testwait.Until(t, "the uploads ahead of need", 10*time.Second, func() bool {
+		_, _, n := objs.Usage()
+		return n == len(keys)
+	})
+	// idle waits for passes that skip (a pass skips only once the last
+	// that asked left nothing to retry) and returns the victims asked
+	// meanwhile.
+	idle := func(passes uint64) int64 {
+		s := d.skipped.Load()
+		testwait.Until(t, "a pass that skips", 10*time.Second, func() bool { return d.skipped.Load() > s })
+		asked := pol.asked.Load()
+		s = d.skipped.Load()
+		testwait.Until(t, "passes that skip", 10*time.Second, func() bool { return d.skipped.Load() >= s+passes })
+		return pol.asked.Load() - asked
+	}
+	if n := idle(20); n != 0 {
+		t.Fatalf("20 idle passes asked the policy %d times; nothing changed", n)
+	}
+
+	asked := pol.asked.Load()
+	objs.evict(fp, keys[0])
+	testwait.Until(t, "the lost object uploaded again", 10*time.Second, func() bool { return objs.Has(fp, keys[0]) })
+	if pol.asked.Load() == asked {
+		t.Fatal("the object was uploaded again with no victims asked")
+	}
+
+	_ = idle(1)
+	asked = pol.asked.Load()
+	loadAndCompare(t, e, c, keys[:1], fourBlocks(40, 1), want[:1])
+	testwait.Until(t, "a pass that asks after a hit", 10*time.Second, func() bool { return pol.asked.Load() > asked })
 }

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
@@ -103,6 +104,7 @@ func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.
 		return nil, fmt.Errorf("mount description: %w", err)
 	}
 	sp.cur = &heldPolicy{p: p, owned: true, pins: pins, removed: recent.NewIDs(heldRemovedWindow)}
+	sp.told.Add(1)
 	return old, nil
 }
 
@@ -297,7 +299,18 @@ type switchPolicy struct {
 
 	mu  sync.RWMutex
 	cur *heldPolicy
+
+	// told counts the calls that may change what the policy answers:
+	// declarations, names, admissions, access records, mount
+	// descriptions and swaps (changes). A call counts once it returned:
+	// a count read while one is under way moves after it.
+	told atomic.Uint64
 }
+
+// changes returns a count that has not moved since an earlier call of
+// it only where the policy was told nothing since, nor swapped: the
+// policy's victims then change with time alone (objectDemoter.pass).
+func (s *switchPolicy) changes() uint64 { return s.told.Load() }
 
 func newSwitchPolicy(p policy.Policy, owned bool) *switchPolicy {
 	return &switchPolicy{cur: &heldPolicy{p: p, owned: owned, removed: recent.NewIDs(heldRemovedWindow)}}
@@ -322,18 +335,21 @@ func (s *switchPolicy) Features() abi.Feature {
 func (s *switchPolicy) Namespace(ctx context.Context, rec abi.NamespaceRecord) (abi.NamespaceRecord, error) {
 	h := s.acquire()
 	defer h.calls.Done()
+	defer s.told.Add(1)
 	return h.p.Namespace(ctx, rec)
 }
 
 func (s *switchPolicy) Name(ctx context.Context, recs []abi.NameRecord) error {
 	h := s.acquire()
 	defer h.calls.Done()
+	defer s.told.Add(1)
 	return h.p.Name(ctx, recs)
 }
 
 func (s *switchPolicy) Admit(ctx context.Context, recs []abi.AdmitRecord) error {
 	h := s.acquire()
 	defer h.calls.Done()
+	defer s.told.Add(1)
 	return h.p.Admit(ctx, recs)
 }
 
@@ -346,6 +362,7 @@ func (s *switchPolicy) Access(ctx context.Context, recs []abi.AccessRecord) erro
 	h.countPins(recs)
 	s.mu.RUnlock()
 	defer h.calls.Done()
+	defer s.told.Add(1)
 	return h.p.Access(ctx, recs)
 }
 
@@ -360,6 +377,7 @@ func (s *switchPolicy) Victims(ctx context.Context, req abi.EvictRequest, max in
 func (s *switchPolicy) UpdateMounts(ctx context.Context, recs []abi.MountRecord) error {
 	h := s.acquire()
 	defer h.calls.Done()
+	defer s.told.Add(1)
 	if t, ok := h.p.(policy.Tiering); ok {
 		return t.UpdateMounts(ctx, recs)
 	}

@@ -372,6 +372,9 @@ var (
 	dObjectBytes        = desc("kvhost_objects_bytes", "Bytes of the objects the bucket is known to hold under the prefix.")
 	dObjectFull         = desc("kvhost_objects_full_total", "Uploads refused for room: the bound ([objects] capacity) or the store's quota.")
 	dObjectListings     = desc("kvhost_objects_listings_total", "Listings of the object mount's bucket.")
+	dDemoterUploads     = desc("kvhost_objects_demoter_uploads_total", "Files the object demoter uploaded to the object mount, ahead of need or for an eviction that waited.")
+	dDemoterBytes       = desc("kvhost_objects_demoter_upload_bytes_total", "Bytes of the files the object demoter uploaded to the object mount.")
+	dDemoterFailures    = desc("kvhost_objects_demoter_upload_failures_total", "Uploads of the object demoter that failed (an error, a refusal such as a full bucket; not one cancelled, nor one of a file gone meanwhile).")
 )
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
@@ -391,8 +394,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	var listed []NamespaceStats // the engine's namespaces with gauges, for their caches
+	var tier *TierStats         // the engine's, for the object demoter's counters
 	if src.Engine != nil {
 		st := src.Engine()
+		tier = &st.Tiering
 		gauge(dEntries, float64(st.Entries))
 		gauge(dKeys, float64(st.Keys))
 		gauge(dHeldFound, float64(st.HeldFound))
@@ -621,5 +626,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(dObjectBytes, float64(o.Used))
 		counter(dObjectFull, o.Full)
 		counter(dObjectListings, o.Listings)
+		if tier != nil {
+			counter(dDemoterUploads, tier.ObjectUploads)
+			counter(dDemoterBytes, tier.ObjectUploadBytes)
+			counter(dDemoterFailures, tier.ObjectUploadFailures)
+		}
 	}
 }

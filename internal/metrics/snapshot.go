@@ -70,6 +70,10 @@ type TierStats struct {
 	MoveFailures    uint64 // moves that failed
 	DemotionDeletes uint64 // victims to demote deleted instead
 	Deduped         uint64 // duplicate files removed at start
+	// ObjectUploads, ObjectUploadBytes and ObjectUploadFailures count the
+	// object demoter's uploads to the object mount, their bytes and its
+	// uploads that failed (exposed only with Sources.Objects).
+	ObjectUploads, ObjectUploadBytes, ObjectUploadFailures uint64
 }
 
 // NamespaceStats is what the index holds of one namespace.
