@@ -582,3 +582,119 @@ func TestACachesLoadsTakeFileSlotsInTheOrderTheyCame(t *testing.T) {
 		t.Errorf("files read for layers %v, want %v: each load's files before the next load's", mv.layers, want)
 	}
 }
+
+// heldMover is a fakeMover whose reads record their layer and wait for a
+// token on release each; started counts the reads begun, and a read of
+// layer 1 records how many reads of layer 0 had ended when it began.
+type heldMover struct {
+	fakeMover
+	layerBytes int64
+	release    chan struct{}
+	mu         sync.Mutex
+	started    int
+	ended0     int
+	firstOf1   int // ended0 when the first read of layer 1 began; -1 before
+}
+
+func (m *heldMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	layer := int(p.Extents[0].RegionOff / m.layerBytes)
+	m.mu.Lock()
+	m.started++
+	if layer == 1 && m.firstOf1 < 0 {
+		m.firstOf1 = m.ended0
+	}
+	m.mu.Unlock()
+	select {
+	case <-m.release:
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+	n, err := m.fakeMover.ReadFile(ctx, f, p, sums)
+	if layer == 0 {
+		m.mu.Lock()
+		m.ended0++
+		m.mu.Unlock()
+	}
+	return n, err
+}
+
+func (m *heldMover) count() (started, ended0 int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.started, m.ended0
+}
+
+// TestALayerRangeFromADiskHandsItsTurnOnOnlyNearItsEnd: two one-layer
+// loads of six files each, submitted at once into one cache from a disk
+// mount of four readers, as a layer-wise client submits a step's layer
+// groups: the second load reads nothing while more than two of the
+// first's files (half the readers) are left to read, though readers are
+// free for it, and starts once two are left. A load handing its turn on
+// once its files had slots would take the reader the third read of
+// layer 0 gives back.
+func TestALayerRangeFromADiskHandsItsTurnOnOnlyNearItsEnd(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	const nb, files = 60, 6
+	mv := &heldMover{layerBytes: 2 * nb * g.BlockBytes(), release: make(chan struct{}), firstOf1: -1}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: diskDir(t), IO: IOBuffered, LoadReaders: 4}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
+		IOWorkers: 8, Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cid, _ := registerFakeDevice(t, e, ns, g, 7, nb)
+	keys := testKeys("turn", files)
+	var src, dst [][]int
+	per := g.BlocksPerKey()
+	for i := range files {
+		src = append(src, blockRange(per*i, per))
+		dst = append(dst, blockRange(per*(files+i), per))
+	}
+	// The stores read nothing: their tokens are not needed.
+	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: src})), OutcomeStored)
+	var jobs []*Job
+	for l := range 2 {
+		j, err := e.Load(ctx, LoadRequest{Cache: cid, Keys: keys, Blocks: dst, Layers: LayerRange{First: l, Count: 1}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		jobs = append(jobs, j)
+	}
+	readers := e.mounts[0].readers
+	started := func(n int) func() bool {
+		return func() bool { s, _ := mv.count(); return s == n }
+	}
+	testwait.Until(t, "four reads of layer 0", testwait.Hang, started(4))
+	mv.release <- struct{}{} // five of layer 0 left: its fifth file starts
+	testwait.Until(t, "the fifth read of layer 0", testwait.Hang, started(5))
+	mv.release <- struct{}{} // four left: its sixth starts
+	testwait.Until(t, "the sixth read of layer 0", testwait.Hang, started(6))
+	mv.release <- struct{}{} // three left, more than half the readers: a reader stays free
+	testwait.Until(t, "a reader free with three of layer 0 left", testwait.Hang, func() bool {
+		_, ended := mv.count()
+		return ended == 3 && readers.Stats().Inflight == 3
+	})
+	mv.release <- struct{}{} // two left: the second load's turn
+	testwait.Until(t, "two reads of layer 1 beside the last two of layer 0", testwait.Hang, started(8))
+	for range 2*files - 4 {
+		mv.release <- struct{}{}
+	}
+	for _, j := range jobs {
+		wantOutcomes(t, "load", waitJob(t, j, nil), OutcomeLoaded)
+	}
+	mv.mu.Lock()
+	defer mv.mu.Unlock()
+	if mv.firstOf1 != 4 {
+		t.Errorf("layer 1's first read began with %d reads of layer 0 ended, want 4 (two left)", mv.firstOf1)
+	}
+}
+
+// blockRange is the n blocks from first on.
+func blockRange(first, n int) []int {
+	b := make([]int, n)
+	for i := range b {
+		b[i] = first + i
+	}
+	return b
+}
