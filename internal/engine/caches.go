@@ -23,9 +23,8 @@ type cache struct {
 // has a slot for each of its files. A layer-wise client submits a step's
 // loads at once, one per group of layers, and reads layer 0 first; taking
 // slots in turns between them would finish every group at about the same
-// time, the first as late as the last. A layer range from a disk waits
-// longer, until its predecessor has few files left to read (turnOn).
-// Loads into other caches (other clients) still take slots as they come.
+// time, the first as late as the last. Loads into other caches (other
+// clients) still take slots as they come.
 type loadOrder struct {
 	last atomic.Pointer[chan struct{}] // closed once the latest load has its slots
 }

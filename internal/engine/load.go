@@ -7,12 +7,10 @@ import (
 	"golang.org/x/sys/unix"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/internal/iotune"
 )
 
 // Load loads keys into cache blocks, asynchronously. The request is
@@ -84,7 +82,6 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 
 	// The cache's earlier loads take their file slots first (loadOrder).
 	turn.wait(ctx)
-	pass, fileDone := e.turnOn(turn, order, lr)
 	var wg sync.WaitGroup
 	failAll := func(idx []int, err error) {
 		for _, i := range idx {
@@ -115,22 +112,15 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		// slot, which another mount's loads may want meanwhile.
 		g := e.mounts[en.Mount].readers
 		if g == nil {
-			if !withSlot(idx, func() {
-				defer fileDone()
-				e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, !e.mounts[en.Mount].direct)
-			}) {
-				fileDone()
-			}
+			withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, !e.mounts[en.Mount].direct) })
 			continue
 		}
 		buffered, err := g.Acquire(ctx)
 		if err != nil {
 			failAll(idx, err)
-			fileDone()
 			continue
 		}
 		if !withSlot(idx, func() {
-			defer fileDone()
 			// Whole files measure the mount's rate; a layer range's
 			// reads (a part of each file, the read-ahead past it) do not.
 			if lr.all() {
@@ -141,7 +131,6 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, buffered)
 		}) {
 			g.ReleaseUnmeasured() // no file slot: ctx ended
-			fileDone()
 		}
 	}
 	for _, i := range objs {
@@ -149,9 +138,8 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		// object mount's, not a file slot.
 		spawn([]int{i}, e.objs.takeSlot, e.objs.giveSlot, func() { e.objs.load(ctx, j, c, keys, blocks, lr, i) })
 	}
-	pass(false) // every file has its slot: the cache's next load may take slots (turnOn)
+	turn.done() // every file has its slot: the cache's next load may take slots
 	wg.Wait()
-	pass(true)
 
 	// Unpin; loaded entries count as hits. A layer-wise load of a key
 	// is one job per group of layers: only the group that starts at
@@ -160,50 +148,6 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		return lr.First == 0 && slices.ContainsFunc(byEntry[en], func(i int) bool { return j.res.Keys[i].Outcome == OutcomeLoaded })
 	}
 	e.access(ctx, e.ix.Pins().UnpinLoad(order, loaded, e.cfg.Now().UnixNano()))
-}
-
-// turnOn says when a load hands its cache's turn on (loadOrder): pass(false)
-// once each of its files has a slot, pass(true) once all are read;
-// fileDone after each file. Mostly at the first: the next load's files
-// then take the slots this one's leave. But a layer range whose files are
-// all on one disk (a mount with readers) hands it on only once no more
-// of them are left to read than half the readers: the next layer group's
-// reads would otherwise share the disk with this one's from its start,
-// and this group, which the forward pass waits for first, would arrive
-// as late as a good part of the next (on the H200's ext4, 8 K tokens'
-// second group of a split 38 ms after the first layer instead of 26 at
-// the disk's rate, the GPU idle meanwhile). Near its end the next
-// group's reads fill the readers it no longer needs.
-func (e *Engine) turnOn(turn loadTurn, order []*entry, lr LayerRange) (pass func(all bool), fileDone func()) {
-	var once sync.Once
-	done := func() { once.Do(turn.done) }
-	var gate *iotune.Gate
-	if !lr.all() {
-		for _, en := range order {
-			g := e.mounts[en.Mount].readers
-			if g == nil || gate != nil && g != gate {
-				gate = nil
-				break
-			}
-			gate = g
-		}
-	}
-	if gate == nil {
-		return func(bool) { done() }, func() {}
-	}
-	left := new(atomic.Int64)
-	left.Store(int64(len(order)))
-	spare := int64(gate.Stats().Arm.Readers / 2)
-	pass = func(all bool) {
-		if all || left.Load() <= spare {
-			done()
-		}
-	}
-	return pass, func() {
-		if left.Add(-1) <= spare {
-			done()
-		}
-	}
 }
 
 // loadFile reads the layers lr of the keys idx (request indices) from en's
