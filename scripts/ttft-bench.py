@@ -387,7 +387,7 @@ class Bench:
         self.connector = Connector(self, socket) if {"layerwise", "split"} & set(a.modes) else None
         self.layer_loads = bool(self.connector and self.connector.worker.counters()["layer_loads"])
         self.cold_state = {}
-        self.rel_errs, self.layer_ready, self.phases = [], [], {}
+        self.rel_errs, self.layer_ready, self.phases, self.load_jobs = [], [], {}, []
         self.report = {"sizes": {}}
         self.failed = False
 
@@ -472,7 +472,10 @@ class Bench:
             if self.layer_ready:
                 m["layer_ready_ms"] = self.layer_ready  # the last repetition's
                 m["phases_ms"] = self.phases  # when each part of its step ended
-                self.layer_ready, self.phases = [], {}
+                # Its load jobs: when each was sent, the daemon's time for
+                # it and when its wait returned (the connector's timeline).
+                m["load_jobs"] = self.load_jobs
+                self.layer_ready, self.phases, self.load_jobs = [], {}, []
             m.update(extra or {})
             modes[mode] = m
             self.failed |= not m["ok"]
@@ -1149,7 +1152,7 @@ class Connector:
         b.loaded_bytes = self.worker.counters().get("bytes_loaded", 0) - before_bytes
         b.sync()
         mark("synchronized")
-        b.layer_ready, b.phases = ready, phases
+        b.layer_ready, b.phases, b.load_jobs = ready, phases, self.worker.load_timeline()
         if errors:
             failures.append(f"the connector reported load errors in {len(errors)} blocks")
         return logits, k

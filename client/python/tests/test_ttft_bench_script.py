@@ -85,6 +85,14 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(size["modes"]["layerwise"]["loaded_tokens"], 64)
         self.assertTrue(data["layer_loads"], "the connector loaded no layer range")
         self.assertEqual(len(size["modes"]["layerwise"]["layer_ready_ms"]), 2)  # one wait per layer
+        # Its load jobs, one per layer here, timed: sent, the daemon's time,
+        # waited for, in that order.
+        jobs = size["modes"]["layerwise"]["load_jobs"]
+        self.assertEqual([j["layers"] for j in jobs], [[0, 1], [1, 1]])
+        for j in jobs:
+            self.assertGreater(j["daemon_ms"], 0)
+            self.assertLessEqual(j["sent_ms"], j["waited_ms"])
+            self.assertLessEqual(j["daemon_ms"], j["waited_ms"] - j["sent_ms"] + 1.0)  # the clocks' skew, at most
         self.assertIn(size["modes"]["split"]["loaded_tokens"], (0, 32, 64))
         self.assertIn("split/recompute", size["ratios"])
         self.assertEqual(size["modes"]["half"]["cached_tokens"], 32)

@@ -22,7 +22,7 @@ class _Step:
     group its daemon jobs (each with the block lists of its keys), the
     groups waited for, when they started and ended, the bytes moved."""
     __slots__ = ("number", "jobs", "waited", "t0", "nbytes", "t_end", "layer_group", "gave_up", "lost",
-                 "sent", "daemon_s", "first")
+                 "sent", "daemon_s", "first", "timeline")
 
     def __init__(self, number, layer_group):
         self.number, self.jobs, self.waited = number, {}, set()
@@ -33,6 +33,11 @@ class _Step:
         self.daemon_s = 0.0  # the longest job, submission to completion, as the daemon timed it
         self.first = [0, 0.0]  # the first layer group's bytes and longest job (the load's latency)
         self.layer_group = layer_group  # layer name -> its job group's key: (KV-cache group, layer group)
+        # Per load job, in submission order: [its group's key, its layers
+        # (first, count), seconds from t0 to its submission, the daemon's
+        # time for it (submission to completion; None until it ended),
+        # seconds from t0 to the end of its wait]: load_timeline.
+        self.timeline = []
 
 
 class ConnectorLoads:
@@ -99,6 +104,8 @@ class ConnectorLoads:
                 ts = [t for t in ts if t.group == key[0]]
                 if ts:
                     self._load_jobs(client, (name, key[0]), ts, first, count, ranged, jobs)
+            for job, _, _ in jobs:
+                step.timeline.append([key, (first, count), time.monotonic() - step.t0, None, None, job])
         step.sent = time.monotonic() - step.t0
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
@@ -223,6 +230,9 @@ class ConnectorLoads:
                 continue
             step.nbytes += r.bytes
             step.daemon_s = max(step.daemon_s, r.duration_ns / 1e9)
+            for e in step.timeline:
+                if e[5] is job:
+                    e[3], e[4] = r.duration_ns / 1e9, time.monotonic() - step.t0
             if g == next(iter(step.jobs)):
                 step.first[0] += r.bytes
                 step.first[1] = max(step.first[1], r.duration_ns / 1e9)
@@ -272,4 +282,18 @@ class ConnectorLoads:
             if fb and fs and step.nbytes > fb:
                 self._latencies.append(max(0.0, fs - fb * seconds / step.nbytes))
         self._done_steps.append(step.number)
+        self._timeline = [{"group": list(e[0]), "layers": list(e[1]), "sent_ms": e[2] * 1e3,
+                           "daemon_ms": None if e[3] is None else e[3] * 1e3,
+                           "waited_ms": None if e[4] is None else e[4] * 1e3} for e in step.timeline]
         self._step = None
+
+    def load_timeline(self):
+        """The last step's load jobs that finish_loads ended, for tools (the
+        TTFT benchmark): per job, in submission order, its group (KV-cache
+        group, layer group), its layers [first, count], and in milliseconds
+        from the step's first submission: when it was sent (sent_ms), the
+        daemon's time for it from submission to completion (daemon_ms: its
+        end on the daemon is near sent_ms + daemon_ms) and when its wait
+        returned (waited_ms); None for a job given up or failed. An empty
+        list before any step loaded."""
+        return list(self._timeline)

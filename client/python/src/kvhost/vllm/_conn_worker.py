@@ -73,6 +73,7 @@ class ConnectorWorker(ConnectorLoads, ConnectorSaves, _Half):
         self._pass = None                              # (step, start) of a forward pass without loads, timed
         self._passes = []                              # (step, start, end) timed, not yet reported
         self._done_steps = []                          # steps whose loads ended since the last worker meta
+        self._timeline = []                            # the last loading step's jobs, timed (load_timeline)
         self._reported = {}                            # the counters get_kv_connector_stats reported last
         self._outbox = collections.deque()             # (CUDA mark, saves) the sender thread sends in order
         self._unsent = collections.Counter()           # req id -> batches of its saves not sent yet

@@ -304,6 +304,11 @@ class _ConnectorImpl:
         """This half's counters (scheduler or worker), for tests and tools."""
         return (self._scheduler or self._worker).counters()
 
+    def load_timeline(self):
+        """The worker half's last loading step, job by job, timed (for
+        tools: ConnectorLoads.load_timeline); empty on a scheduler."""
+        return self._worker.load_timeline() if self._worker is not None else []
+
     @property
     def cost_model(self):
         """The scheduler half's CostModel (None on a worker)."""
