@@ -116,7 +116,6 @@ import torch  # noqa: E402
 
 import kvhost  # noqa: E402
 from kvhost import memory  # noqa: E402
-from kvhost.vllm._conn_common import layer_groups  # noqa: E402
 import vllm_specs  # noqa: E402  (client/python/tests: vLLM's specs stood in for)
 from ttft_model import Config, Model  # noqa: E402
 
@@ -607,8 +606,7 @@ class Bench:
                         rep["lookups"] = look.stop()
                     sched.shutdown()
             if "split" in a.modes and {"recompute", "suffix", "whole"} <= set(modes):
-                first = layer_groups(self.cfg.layers, a.layers_per_load, a.layer_groups)[0][1]
-                costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes, first)
+                costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes, self.cfg.layers)
                 rep["split_costs"] = costs
                 sched = conn.scheduler(load_split="auto", **costs)
                 rep["split_model"] = split_optimum(p, s, a.tokens_per_key, sched.cost_model,
@@ -780,12 +778,15 @@ class Bench:
         if "split" in med:
             opt = rep.get("split_model", {})
             k = m["split"]["loaded_tokens"]
-            # The measured split against its model: at the tokens it
-            # loaded (how well the model priced them) and at its optimum.
+            # The measured split against its model: each repetition at the
+            # tokens it loaded (how well the model priced them; the median
+            # of those ratios) and at its optimum.
             nan = float("nan")
-            priced = opt.get("modelled_ms", {}).get(k)
-            if priced:
-                ratios["split/modelled_at_split_tokens"] = med["split"] / priced
+            priced = opt.get("modelled_ms", {})
+            at = [ms / priced[kr] for ms, kr in zip(m["split"]["reps_ms"], m["split"]["loaded_tokens_reps"])
+                  if priced.get(kr)]
+            if at:
+                ratios["split/modelled_at_split_tokens"] = statistics.median(at)
             if opt.get("optimum_ms"):
                 ratios["split/modelled_optimum"] = med["split"] / opt["optimum_ms"]
             print(f"ratio P {p} S {s} split/recompute {ratios['split/recompute']:.2f} "
@@ -813,13 +814,12 @@ def solve(rows, rhs):
     return [m[r][n] / m[r][r] for r in range(n)]
 
 
-def split_costs(p, s, half, prefix_bytes, modes, first_layers=1):
-    """The connector's cost options for the split at prefix p, suffix s,
-    fitted to this run: the load rate layer-wise loads showed (the time
-    their last layer arrived), else whole load's (its time less the
-    suffix's compute), the load's latency (the first job, of first_layers
-    layers, past its bytes' time at that rate; 0 without layer-wise
-    loads), and the prefill model compute(T, K) = fixed + a (T
+def split_costs(p, s, half, prefix_bytes, modes, layers):
+    """The connector's cost options for the split at prefix p, suffix s
+    (of a model of layers layers), fitted to this run: the load rate and
+    latency its layer-wise loads showed as the connector learns them (the
+    jobs' load_jobs timeline), else whole load's rate (its time less the
+    suffix's compute) and no latency, and the prefill model compute(T, K) = fixed + a (T
     - K) + b (T^2 - K^2) / 2 (T = p + s) through the computations measured
     with K cached: recompute (K = 0), half (K = half) and suffix (K = p).
     The fit is a least-squares one in relative error over the terms that
@@ -833,15 +833,19 @@ def split_costs(p, s, half, prefix_bytes, modes, first_layers=1):
     pts = [(ms[m], modes[m]["median_ms"] / 1e3) for m in ("recompute", "half", "suffix") if m in modes]
     load_s = max(modes["whole"]["median_ms"] / 1e3 - modes["suffix"]["median_ms"] / 1e3, 1e-6)
     latency_s = 0.0
-    ready = modes.get("layerwise", {}).get("layer_ready_ms")
-    if ready and modes["layerwise"].get("ok"):
-        # The rate the connector learns in steady state is its own
-        # layer-wise loads' (it observes its load jobs): the prefix's
-        # bytes over the time its last layer arrived. Its latency, as
-        # the connector learns it: the first job's time beyond what its
-        # layers' bytes take at that rate.
-        load_s = max(ready[-1] / 1e3, 1e-6)
-        latency_s = max(0.0, (ready[0] - ready[-1] * first_layers / len(ready)) / 1e3)
+    jobs = modes.get("layerwise", {}).get("load_jobs")
+    if jobs and modes["layerwise"].get("ok") and all(j["daemon_ms"] is not None for j in jobs):
+        # What the connector learns of its own layer-wise loads (the last
+        # repetition's jobs): the step's seconds are the daemon's, from
+        # the first submission to the end of its longest job, at most to
+        # the last wait's return; the latency is the first layer group's
+        # longest job past its layers' share of them.
+        step_ms = min(max(j["waited_ms"] for j in jobs), max(j["sent_ms"] for j in jobs)
+                      + max(j["daemon_ms"] for j in jobs))
+        load_s = max(step_ms / 1e3, 1e-6)
+        first = [j for j in jobs if j["group"] == jobs[0]["group"]]
+        share = jobs[0]["layers"][1] / layers
+        latency_s = max(0.0, (max(j["daemon_ms"] for j in first) - step_ms * share) / 1e3)
     terms = [lambda k: 1.0, lambda k: float(t - k), lambda k: (t * t - k * k) / 2.0]
     coef, best = None, None
     for mask in range(1, 8):
@@ -870,8 +874,10 @@ def split_optimum(p, s, chunk, model, recompute_ms):
     with this run's rates, before any request taught it) says is best:
     the K of least modelled TTFT over every chunk boundary (and K = 0),
     that TTFT, its ratio to the measured recomputation (the figure a
-    measured split is held against), the K the model chooses (the
-    largest within split_min_gain of the least) and the modelled TTFT of
+    measured split is held against), the K the model chooses
+    (CostModel.split: the largest within split_min_gain of its least,
+    pricing every K with the whole hit's layer groups, where the optimum
+    and modelled_ms price each K with its own) and the modelled TTFT of
     every K."""
     priced = {k: model.ttft_s(p + s, 0, k) * 1e3 for k in range(0, p + 1, chunk)}
     best = min(priced, key=priced.get)

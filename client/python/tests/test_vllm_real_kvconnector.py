@@ -255,7 +255,9 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
         # A load the frozen daemon leaves unended for daemon_wait_s is
         # given up (vLLM recomputes its blocks): its bytes over the time
         # the step had go into the rate, and the scheduler, whose pins the
-        # daemon did not answer either, claims nothing until it answers.
+        # daemon did not answer either, claims nothing until it answers
+        # (one such measurement at the default load_rate_alpha would not
+        # shrink this claim by itself).
         # Once thawed: the claim is the whole prefix again, the rate
         # returns to the configured one (load_rate_recover_s), and the
         # whole prefix loads byte for byte.
@@ -269,11 +271,14 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
         ids = list(range(12, 12 + self.NBLK))
         sched.update_state_after_alloc(req, self.blocks(ids), n)
         req.num_computed_tokens = n
+        measured = sched.counters().get("load_measurements", 0)
         self.daemon.freeze()
         try:
             out = self.step(sched, worker, self.output(new=[(req, ids)], scheduled={req.request_id: BLOCK}))
             self.assertTrue(out.invalid_block_ids, "the frozen daemon's load was not given up")
-            self.assertLess(sched.cost_model.load_gbps, self.COSTS["load_gbps"] * 0.9)
+            self.assertEqual(sched.counters().get("load_measurements", 0), measured + 1,
+                             "the given-up load's bytes over its time were not taken into the rate")
+            self.assertEqual(self.claim(sched, self.request("frozen", "kvc-freeze", self.NBLK)), 0)
         finally:
             self.daemon.thaw()
         d.wait_for(lambda: self.claim(sched, self.request("c", "kvc-freeze", self.NBLK)) == self.WHOLE,
@@ -313,6 +318,10 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
         sched, worker, kv = self.engine(seed=13, load_rate_recover_s=2.0, load_rate_alpha=1.0, **costs)
         src = list(range(1, 1 + self.NBLK))
         self.save_prompt(sched, worker, self.request("a", "kvc-nothing", self.NBLK), src)
+        self.assertEqual(self.claim(sched, self.request("before", "kvc-nothing", self.NBLK)), self.WHOLE)
+        # The rate recovers from the report on: the claim is nothing only
+        # for the first few ms after it (about 17 ms at load_rate_recover_s
+        # 2), so a report is sent again before each try.
         self.assertEqual(self.slow_mount(sched, "kvc-nothing", lambda n: n == 0, 30.0), 0)
         d.wait_for(lambda: self.claim(sched, self.request("b", "kvc-nothing", self.NBLK)) == self.WHOLE,
                    what="the claim to return to the whole prefix")
@@ -326,6 +335,7 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
         src = list(range(1, 1 + self.NBLK))
         self.save_prompt(sched, worker, self.request("a", "kvc-slow", self.NBLK), src)
         want = self.rows(kv, src[:4 * BPC])
+        self.assertEqual(self.claim(sched, self.request("before", "kvc-slow", self.NBLK)), self.WHOLE)
         shrunk = self.slow_mount(sched, "kvc-slow", lambda n: n < self.WHOLE, 0.5)
         self.assertGreater(shrunk, 0, "the slow mount's rate left nothing to load: pick a faster slow mount")
         sets = [list(range(12, 12 + self.NBLK)), list(range(24, 24 + self.NBLK))]
@@ -339,6 +349,7 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
             if n == self.WHOLE:
                 break
         self.assertEqual(claims[-1], self.WHOLE, f"claims after the slow mount: {claims}")
+        self.assertLess(claims[0], self.WHOLE, f"the first healthy load was not of the shrunk claim: {claims}")
         self.assertEqual(self.rows(kv, sets[(len(claims) - 1) % 2][:4 * BPC]), want)
 
 
