@@ -606,7 +606,7 @@ class Bench:
                         rep["lookups"] = look.stop()
                     sched.shutdown()
             if "split" in a.modes and {"recompute", "suffix", "whole"} <= set(modes):
-                costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes, self.cfg.layers)
+                costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes)
                 rep["split_costs"] = costs
                 sched = conn.scheduler(load_split="auto", **costs)
                 rep["split_model"] = split_optimum(p, s, a.tokens_per_key, sched.cost_model,
@@ -814,9 +814,9 @@ def solve(rows, rhs):
     return [m[r][n] / m[r][r] for r in range(n)]
 
 
-def split_costs(p, s, half, prefix_bytes, modes, layers):
-    """The connector's cost options for the split at prefix p, suffix s
-    (of a model of layers layers), fitted to this run: the load rate and
+def split_costs(p, s, half, prefix_bytes, modes):
+    """The connector's cost options for the split at prefix p, suffix s,
+    fitted to this run: the load rate and
     latency its layer-wise loads showed as the connector learns them (the
     jobs' load_jobs timeline), else whole load's rate (its time less the
     suffix's compute) and no latency, and the prefill model compute(T, K) = fixed + a (T
@@ -839,12 +839,12 @@ def split_costs(p, s, half, prefix_bytes, modes, layers):
         # repetition's jobs): the step's seconds are the daemon's, from
         # the first submission to the end of its longest job, at most to
         # the last wait's return; the latency is the first layer group's
-        # longest job past its layers' share of them.
+        # longest job past its bytes' share of them.
         step_ms = min(max(j["waited_ms"] for j in jobs), max(j["sent_ms"] for j in jobs)
                       + max(j["daemon_ms"] for j in jobs))
         load_s = max(step_ms / 1e3, 1e-6)
         first = [j for j in jobs if j["group"] == jobs[0]["group"]]
-        share = jobs[0]["layers"][1] / layers
+        share = sum(j["bytes"] for j in first) / max(sum(j["bytes"] for j in jobs), 1)
         latency_s = max(0.0, (max(j["daemon_ms"] for j in first) - step_ms * share) / 1e3)
     terms = [lambda k: 1.0, lambda k: float(t - k), lambda k: (t * t - k * k) / 2.0]
     coef, best = None, None

@@ -121,6 +121,7 @@ class TestTtftBenchScript(unittest.TestCase):
         # the first job's time past its layer's share of them.
         step = min(max(j["waited_ms"] for j in jobs), max(j["sent_ms"] for j in jobs) + max(j["daemon_ms"] for j in jobs))
         self.assertAlmostEqual(size["split_costs"]["load_gbps"], size["prefix_kv_bytes"] / step / 1e6, places=6)
+        self.assertEqual(jobs[0]["bytes"], jobs[1]["bytes"])  # a layer each: the first job's share is a half
         self.assertAlmostEqual(size["split_costs"]["load_latency_ms"], max(0.0, jobs[0]["daemon_ms"] - step / 2),
                                places=6)
         # The optimum is the connector's own model's: its pipeline of two

@@ -36,7 +36,8 @@ class _Step:
         # Per load job, in submission order: [its group's key, its layers
         # (first, count), seconds from t0 to its submission, the daemon's
         # time for it (submission to completion; None until it ended),
-        # seconds from t0 to the end of its wait]: load_timeline.
+        # seconds from t0 to the end of its wait, the job, the bytes it
+        # moved]: load_timeline.
         self.timeline = []
 
 
@@ -105,7 +106,7 @@ class ConnectorLoads:
                 if ts:
                     self._load_jobs(client, (name, key[0]), ts, first, count, ranged, jobs)
             for job, _, _ in jobs:
-                step.timeline.append([key, (first, count), time.monotonic() - step.t0, None, None, job])
+                step.timeline.append([key, (first, count), time.monotonic() - step.t0, None, None, job, 0])
         step.sent = time.monotonic() - step.t0
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
@@ -232,7 +233,7 @@ class ConnectorLoads:
             step.daemon_s = max(step.daemon_s, r.duration_ns / 1e9)
             for e in step.timeline:
                 if e[5] is job:
-                    e[3], e[4] = r.duration_ns / 1e9, time.monotonic() - step.t0
+                    e[3], e[4], e[6] = r.duration_ns / 1e9, time.monotonic() - step.t0, r.bytes
             if g == next(iter(step.jobs)):
                 step.first[0] += r.bytes
                 step.first[1] = max(step.first[1], r.duration_ns / 1e9)
@@ -284,7 +285,7 @@ class ConnectorLoads:
         self._done_steps.append(step.number)
         self._timeline = [{"group": list(e[0]), "layers": list(e[1]), "sent_ms": e[2] * 1e3,
                            "daemon_ms": None if e[3] is None else e[3] * 1e3,
-                           "waited_ms": None if e[4] is None else e[4] * 1e3} for e in step.timeline]
+                           "waited_ms": None if e[4] is None else e[4] * 1e3, "bytes": e[6]} for e in step.timeline]
         self._step = None
 
     def load_timeline(self):
@@ -294,6 +295,6 @@ class ConnectorLoads:
         from the step's first submission: when it was sent (sent_ms), the
         daemon's time for it from submission to completion (daemon_ms: its
         end on the daemon is near sent_ms + daemon_ms) and when its wait
-        returned (waited_ms); None for a job given up or failed. An empty
-        list before any step loaded."""
+        returned (waited_ms), None for a job given up or failed; and the
+        bytes it moved. An empty list before any step loaded."""
         return list(self._timeline)
