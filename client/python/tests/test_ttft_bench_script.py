@@ -146,6 +146,7 @@ class TestTtftBenchScript(unittest.TestCase):
             self.assertEqual(len(size["ratios"][f"{mode}/bound_reps"]), 2)
         self.assertRegex(out.stdout, r"bound P 64 S 16 layerwise/bound \d+\.\d\d \(reps [\d.]+-[\d.]+\) bound_ms ")
         self.assertEqual(data["machine"]["rope"], "bf16 (cos and sin cast to bf16)")
+        self.assertIn("gc.freeze", data["machine"]["gc"])  # as vLLM's worker, the setup's heap frozen
         self.assertIn("rms_norm", data["machine"])
 
     def test_a_sliding_window_hybrid_loads_only_the_window_of_its_window_layers(self):
