@@ -100,6 +100,8 @@ import math
 import os
 import pathlib
 import platform
+import re
+import socket as socketlib
 import shutil
 import statistics
 import sys
@@ -316,6 +318,52 @@ def disk_ceiling(files, cold_state, reads=DISK_READS):
             "best_gbps": best["gbps"], "cold": cold_state is not None}
 
 
+# The daemon's metrics that say its work after a burst of stores is done:
+# the spare files made ahead (their count and their bytes) and the GPU
+# path's registrations still queued.
+SETTLE_METRICS = ("kvhost_spare_files_made_total", "kvhost_mount_spare_bytes", "kvhost_gpu_file_registrations_queued")
+
+
+def settle_reading(text):
+    """What SETTLE_METRICS read in a Prometheus exposition text: a tuple of
+    each one's sum over its series (0 where the daemon exports none, as a
+    daemon without a GPU exports no registrations)."""
+    sums = dict.fromkeys(SETTLE_METRICS, 0.0)
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m and m[1] in sums:
+            sums[m[1]] += float(m[2])
+    return tuple(sums[k] for k in SETTLE_METRICS)
+
+
+def settle(metrics_addr, still_s=0.3, limit_s=60.0, read=None):
+    """Waits until the daemon is done with its work after a store: no
+    registration queued and the spare files made ahead unchanged for
+    still_s, as kvhost bench settles before its timed phases (an idle
+    moment before a request). Returns the seconds waited, or None where it
+    did not settle within limit_s (a line says so) or cannot be asked."""
+    if not metrics_addr:
+        return None
+    if read is None:
+        import urllib.request
+
+        def read():
+            with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
+                return settle_reading(r.read().decode())
+    t0 = time.monotonic()
+    last, since = None, t0
+    while time.monotonic() - t0 < limit_s:
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now[2] == 0 and time.monotonic() - since >= still_s:
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    print(f"detail: the daemon did not settle within {limit_s:g} s after a store (spares, registrations: {last})",
+          flush=True)
+    return None
+
+
 def corrupt_newest(d):
     """Flips the first payload byte of the newest data file under d (a
     kvhost file: its header's length at offset 12 is the payload's
@@ -344,8 +392,9 @@ def close(logits, ref):
 class Bench:
     """The model, its cache registered with the daemon, and the runs."""
 
-    def __init__(self, a, client, socket):
+    def __init__(self, a, client, socket, metrics=None):
         self.a, self.c = a, client
+        self.metrics = metrics  # the daemon's metrics address (settle), None for one given by --socket
         self.dev = torch.device(a.device)
         self.cuda = self.dev.type == "cuda"
         if self.cuda:
@@ -506,6 +555,7 @@ class Bench:
                              f"{res.message or 'no message'}")
         if a.corrupt_stored:
             corrupt_newest(a.dir)
+        rep["settle_s"] = [settle(self.metrics)]
         if a.objects:
             # How many of the keys stayed in files (the rest the policy
             # moved to the bucket, where the loads find them).
@@ -586,6 +636,7 @@ class Bench:
             conn.save(p, self.table_list[:p // self.cfg.block_tokens])
             if a.corrupt_stored:
                 corrupt_newest(a.dir)
+            rep["settle_s"].append(settle(self.metrics))
             if "layerwise" in a.modes:
                 sched = conn.scheduler(load_split="all")
                 look = Lookups(conn, p, tokens.shape[0], a.lookups) if a.lookups else None
@@ -1203,9 +1254,20 @@ def main(argv=None):
     a = parse_args(argv)
     if a.llmd:
         sys.path.insert(0, a.llmd)
-    daemon = None
+    daemon = metrics = None
     if not a.socket:
         from daemon import Daemon
+        # The daemon's metrics, for settle: the listener --daemon-toml
+        # names, else one of its own on a free port.
+        toml = a.daemon_toml.replace("\\n", "\n")
+        given = re.search(r'\[metrics\][^\[]*?listen\s*=\s*"([^"]+)"', toml)
+        if given:
+            metrics = given[1]
+        elif "[metrics]" not in toml:  # (a [metrics] table without a listener: not asked)
+            with socketlib.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                metrics = f"127.0.0.1:{sk.getsockname()[1]}"
+            a.daemon_toml += f'\\n[metrics]\\nlisten = "{metrics}"\\n'
         os.environ["KVHOST_BIN"] = a.kvhost_bin
         kv = sum(Config(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim).kv_bytes(p) for p in a.sizes)
         os.makedirs(a.dir, exist_ok=True)
@@ -1220,7 +1282,7 @@ def main(argv=None):
                         policy_toml=a.policy_toml.replace("\\n", "\n"))
     try:
         with kvhost.Client(daemon.socket if daemon else a.socket, name="ttft-bench", timeout=a.job_timeout) as c:
-            bench = Bench(a, c, daemon.socket if daemon else a.socket)
+            bench = Bench(a, c, daemon.socket if daemon else a.socket, metrics)
             layerwise = (f"layer-range loads, {a.layers_per_load} layer(s) per job ({a.layer_groups})" if bench.layer_loads else
                          "one load job (no connector, or a daemon without layer-range loads)")
             print(f"detail: model {a.layers} layers hidden {a.hidden} heads {a.heads}/{a.kv_heads}x{a.head_dim} "

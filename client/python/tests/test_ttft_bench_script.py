@@ -147,6 +147,10 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertRegex(out.stdout, r"bound P 64 S 16 layerwise/bound \d+\.\d\d \(reps [\d.]+-[\d.]+\) bound_ms ")
         self.assertEqual(data["machine"]["rope"], "bf16 (cos and sin cast to bf16)")
         self.assertIn("gc.freeze", data["machine"]["gc"])  # as vLLM's worker, the setup's heap frozen
+        # After the store and after the connector's save, the daemon's
+        # metrics were asked until it settled (no spares on this disk).
+        self.assertEqual(len(size["settle_s"]), 2)
+        self.assertTrue(all(w is not None and 0.3 <= w < 60 for w in size["settle_s"]), size["settle_s"])
         self.assertIn("rms_norm", data["machine"])
 
     def test_a_sliding_window_hybrid_loads_only_the_window_of_its_window_layers(self):
@@ -189,3 +193,41 @@ class TestTtftBenchScript(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
+class TestSettle(unittest.TestCase):
+    """The bench's settle: it waits for the daemon's work after a store
+    (spare files made ahead, GPU registrations queued) to end."""
+
+    @classmethod
+    def setUpClass(cls):
+        import importlib.util
+        sys.path[:0] = [os.path.join(REPO, "scripts"), os.path.join(REPO, "client", "python", "tests")]
+        spec = importlib.util.spec_from_file_location("ttft_bench", os.path.join(REPO, "scripts", "ttft-bench.py"))
+        cls.mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cls.mod)
+
+    def test_a_reading_sums_each_metric_over_its_series_and_reads_0_where_it_is_missing(self):
+        text = ("# HELP kvhost_spare_files_made_total x\nkvhost_spare_files_made_total 12\n"
+                'kvhost_mount_spare_bytes{mount="/a"} 1024\nkvhost_mount_spare_bytes{mount="/b"} 2048\n'
+                "kvhost_other 5\n")
+        self.assertEqual(self.mod.settle_reading(text), (12.0, 3072.0, 0.0))
+
+    def test_settle_waits_for_the_queue_to_empty_and_the_spares_to_stop_changing(self):
+        readings = iter([(1, 10, 3), (2, 20, 2), (3, 30, 0)] + [(4, 40, 0)] * 1000)
+        reads = []
+
+        def read():
+            reads.append(next(readings))
+            return reads[-1]
+        waited = self.mod.settle("addr", still_s=0.1, limit_s=10, read=read)
+        self.assertIsNotNone(waited)
+        self.assertGreaterEqual(waited, 0.1)
+        self.assertEqual(reads[3], (4, 40, 0))  # still changing: waited on
+        self.assertTrue(all(r == (4, 40, 0) for r in reads[3:]))
+
+    def test_settle_gives_up_after_its_limit_and_says_so(self):
+        n = iter(range(10 ** 6))
+        self.assertIsNone(self.mod.settle("addr", still_s=0.05, limit_s=0.2, read=lambda: (next(n), 0, 0)))
+        self.assertIsNone(self.mod.settle(None))
