@@ -868,11 +868,11 @@ def solve(rows, rhs):
 
 def split_costs(p, s, half, prefix_bytes, modes):
     """The connector's cost options for the split at prefix p, suffix s,
-    fitted to this run: the load rate and
-    latency its layer-wise loads showed as the connector learns them (the
-    jobs' load_jobs timeline), else whole load's rate (its time less the
-    suffix's compute) and no latency, and the prefill model compute(T, K) = fixed + a (T
-    - K) + b (T^2 - K^2) / 2 (T = p + s) through the computations measured
+    fitted to this run: the load rate and latency its layer-wise loads
+    showed as the connector learns them (the jobs' load_jobs timeline),
+    else whole load's rate (its time less the suffix's compute) and no
+    latency, and the prefill model compute(T, K) = fixed + a (T - K) +
+    b (T^2 - K^2) / 2 (T = p + s) through the computations measured
     with K cached: recompute (K = 0), half (K = half) and suffix (K = p).
     The fit is a least-squares one in relative error over the terms that
     come out >= 0 (every subset of the three is tried, the closest kept):

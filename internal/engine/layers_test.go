@@ -482,15 +482,9 @@ func TestStoreLeavesOutLayerSumsThatDoNotFit(t *testing.T) {
 // stores keys from blocks. It returns the device's bytes as stored.
 func storedOnFakeDevice(t *testing.T, kpf uint32, id uint64, nb int, keys [][]byte, blocks [][]int) (*Engine, Geometry, CacheID, *fakeDevice, []byte) {
 	t.Helper()
-	mv := &fakeMover{}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(kpf, abi.OrderLayerMajor),
-		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	e, _, cid, dev := fakeDeviceEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}},
+		Policy: newTestPolicy(kpf, abi.OrderLayerMajor)}, id, nb)
 	g := smallGeometry(true)
-	ns, err := e.Declare(context.Background(), g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cid, dev := registerFakeDevice(t, e, ns, g, id, nb)
 	r := rand.New(rand.NewPCG(id, id))
 	for i := range dev.mem {
 		dev.mem[i] = byte(r.Uint32())

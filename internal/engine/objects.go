@@ -499,7 +499,7 @@ func (o *objectTier) loadBouncedLayers(ctx context.Context, j *Job, c *cache, bl
 		for _, off := range s {
 			sum = crc32c.Update(sum, mem[off:off+bb])
 		}
-		if wantSum := h.LayerSums[k*int(h.Layers)+l]; sum != wantSum {
+		if wantSum := h.LayerSum(k, l); sum != wantSum {
 			bad(fmt.Errorf("%w: object of key %x: layer %d checksum 0x%08x, want 0x%08x", ErrCorrupt, key, l, sum, wantSum))
 			return
 		}

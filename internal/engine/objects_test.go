@@ -583,15 +583,24 @@ const deviceNodeBlocks = 32
 // mover, the cache and its device, of id.
 func deviceNode(t *testing.T, objs *memObjects, id uint64) (*Engine, *fakeMover, CacheID, *fakeDevice) {
 	t.Helper()
+	return fakeDeviceEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs},
+		id, deviceNodeBlocks)
+}
+
+// fakeDeviceEngine opens an engine of cfg whose device memory a
+// fakeMover moves, and registers a fake device cache of nb blocks of
+// smallGeometry(true), of id: the engine, the mover, the cache and its
+// device.
+func fakeDeviceEngine(t *testing.T, cfg Config, id uint64, nb int) (*Engine, *fakeMover, CacheID, *fakeDevice) {
+	t.Helper()
 	mv := &fakeMover{}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Objects: objs,
-		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
-	g := smallGeometry(true)
-	ns, err := e.Declare(context.Background(), g)
+	cfg.Movers = map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}
+	e := openEngine(t, cfg)
+	ns, err := e.Declare(context.Background(), smallGeometry(true))
 	if err != nil {
 		t.Fatal(err)
 	}
-	cid, dev := registerFakeDevice(t, e, ns, g, id, deviceNodeBlocks)
+	cid, dev := registerFakeDevice(t, e, ns, smallGeometry(true), id, nb)
 	return e, mv, cid, dev
 }
 

@@ -132,14 +132,8 @@ func (f *File) ReadvAt(bufs [][]byte, off int64) (int, error) {
 // the object that reached bufs, [at, at+n), once it did, from the
 // goroutine that read it (in a region.Guard): the mover checksums
 // each extent there while other ranges are still on the way.
-func (f *File) readv(bufs [][]byte, off int64, landed func(at, n int64)) (int, error) {
-	n, err := f.readvCounted(bufs, off, landed)
-	f.read.Add(int64(n))
-	return n, err
-}
-
-// readvCounted is readv before it counts what it read.
-func (f *File) readvCounted(bufs [][]byte, off int64, landed func(at, n int64)) (int, error) {
+func (f *File) readv(bufs [][]byte, off int64, landed func(at, n int64)) (got int, err error) {
+	defer func() { f.read.Add(int64(got)) }() // what Close judges the load by
 	total := length(bufs)
 	if total == 0 {
 		return 0, nil

@@ -33,12 +33,9 @@ class _Step:
         self.daemon_s = 0.0  # the longest job, submission to completion, as the daemon timed it
         self.first = [0, 0.0]  # the first layer group's bytes and longest job (the load's latency)
         self.layer_group = layer_group  # layer name -> its job group's key: (KV-cache group, layer group)
-        # Per load job, in submission order: [its group's key, its layers
-        # (first, count), seconds from t0 to its submission, the daemon's
-        # time for it (submission to completion; None until it ended),
-        # seconds from t0 to the end of its wait, the job, the bytes it
-        # moved]: load_timeline.
-        self.timeline = []
+        # Per load job, in submission order, its entry of load_timeline
+        # (filled in as its wait ends).
+        self.timeline = {}
 
 
 class ConnectorLoads:
@@ -105,8 +102,10 @@ class ConnectorLoads:
                 ts = [t for t in ts if t.group == key[0]]
                 if ts:
                     self._load_jobs(client, (name, key[0]), ts, first, count, ranged, jobs)
+            sent_ms = (time.monotonic() - step.t0) * 1e3
             for job, _, _ in jobs:
-                step.timeline.append([key, (first, count), time.monotonic() - step.t0, None, None, job, 0])
+                step.timeline[job] = {"group": list(key), "layers": [first, count], "sent_ms": sent_ms,
+                                      "daemon_ms": None, "waited_ms": None, "bytes": 0}
         step.sent = time.monotonic() - step.t0
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
@@ -231,9 +230,8 @@ class ConnectorLoads:
                 continue
             step.nbytes += r.bytes
             step.daemon_s = max(step.daemon_s, r.duration_ns / 1e9)
-            for e in step.timeline:
-                if e[5] is job:
-                    e[3], e[4], e[6] = r.duration_ns / 1e9, time.monotonic() - step.t0, r.bytes
+            step.timeline[job].update(daemon_ms=r.duration_ns / 1e6, waited_ms=(time.monotonic() - step.t0) * 1e3,
+                                      bytes=r.bytes)
             if g == next(iter(step.jobs)):
                 step.first[0] += r.bytes
                 step.first[1] = max(step.first[1], r.duration_ns / 1e9)
@@ -283,9 +281,7 @@ class ConnectorLoads:
             if fb and fs and step.nbytes > fb:
                 self._latencies.append(max(0.0, fs - fb * seconds / step.nbytes))
         self._done_steps.append(step.number)
-        self._timeline = [{"group": list(e[0]), "layers": list(e[1]), "sent_ms": e[2] * 1e3,
-                           "daemon_ms": None if e[3] is None else e[3] * 1e3,
-                           "waited_ms": None if e[4] is None else e[4] * 1e3, "bytes": e[6]} for e in step.timeline]
+        self._timeline = list(step.timeline.values())
         self._step = None
 
     def load_timeline(self):
@@ -297,4 +293,4 @@ class ConnectorLoads:
         end on the daemon is near sent_ms + daemon_ms) and when its wait
         returned (waited_ms), None for a job given up or failed; and the
         bytes it moved. An empty list before any step loaded."""
-        return list(self._timeline)
+        return [dict(e) for e in self._timeline]
