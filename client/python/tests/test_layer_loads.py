@@ -110,6 +110,39 @@ class TestLayerLoadsOnARealDaemon(unittest.TestCase):
                                  f"layer {layer} block {dst}")
             self.assertEqual(bytes(v[block_span(layer, 0)]), b"\x5a" * PAGE, "a block not named was written")
 
+    def test_a_load_prepared_once_fills_each_layer_range_it_is_sent_for(self):
+        # As the connector sends a step's layer groups: the keys and
+        # blocks packed once, one job per range.
+        c, cache, buf = layer_cache(self)
+        v = buf.view
+        v[:] = bytes(random.Random(86).randrange(256) for _ in range(len(v)))
+        stored = bytes(v)
+        self.assertEqual(c.store(cache, [b"k0", b"k1"], [[0, 1], [2, 3]]).wait(30).outcomes(), ["stored"] * 2)
+        v[:] = b"\x3c" * len(v)
+        prepared = c.prepare_load(cache, [b"k0", b"k1"], [[4, 5], [6, 7]])
+        self.assertEqual(prepared.body, p.transfer(cache, [b"k0", b"k1"], [[4, 5], [6, 7]], load=True))
+        jobs = [c.load_prepared(prepared, r, block=False) for r in ((0, 1), (1, 3))]
+        for job, layers in zip(jobs, (1, 3)):
+            res = job.wait(30)
+            self.assertEqual((res.outcomes(), res.bytes), (["loaded"] * 2, layers * 4 * PAGE))
+        for layer in range(LAYERS):
+            for src, dst in ((0, 4), (1, 5), (2, 6), (3, 7)):
+                self.assertEqual(bytes(v[block_span(layer, dst)]), stored[block_span(layer, src)],
+                                 f"layer {layer} block {dst}")
+
+    def test_prepare_load_refuses_what_load_refuses_before_sending(self):
+        c, cache, _ = layer_cache(self)
+        for keys, blocks, why in [([b"k"], [[1], [2]], "1 keys, 2 block lists"),
+                                  ([b"k", b"j"], [[1], [2, 3]], "same number"),
+                                  ([b"k"], [[p.NO_BLOCK]], "every block id is NO_BLOCK")]:
+            with self.subTest(why):
+                with self.assertRaisesRegex(ValueError, why):
+                    c.prepare_load(cache, keys, blocks)
+        prepared = c.prepare_load(cache, [b"k"], [[4, 5]])
+        with self.assertRaisesRegex(ValueError, "count 0 means every layer"):
+            c.load_prepared(prepared, (1, 0))
+        self.assertTrue(c.connected())
+
     def test_a_range_past_the_namespaces_layers_is_refused_naming_it_and_the_connection_goes_on(self):
         c, cache, _ = layer_cache(self)
         for layers in [(3, 2), (LAYERS, 1), (0, LAYERS + 1)]:

@@ -256,6 +256,12 @@ class _FakeClient:
         self.jobs.append(j)
         return j
 
+    def prepare_load(self, cache, keys, blocks):
+        return (cache, keys, blocks)
+
+    def load_prepared(self, prepared, layers, block=True):
+        return self.load(*prepared, block=block, layers=layers)
+
 
 class PrefillTimingTest(unittest.TestCase):
     """The scheduler learns its prefill model's scale from the forward

@@ -25,6 +25,15 @@ from .removals import Removal, RemovalBatch, RemovalSubscription  # noqa: F401 (
 _log = logging.getLogger("kvhost")
 
 
+class PreparedLoad:
+    """A load's keys and blocks packed once (Client.prepare_load): body,
+    the request's packed keys and blocks; keys, how many."""
+    __slots__ = ("body", "keys")
+
+    def __init__(self, body, keys):
+        self.body, self.keys = body, keys
+
+
 class Client(_Connection):
     """A connection to the kvhost daemon at path (a Unix socket; None means
     default_socket()). timeout (seconds; None: none) bounds each wait on
@@ -398,15 +407,27 @@ class Client(_Connection):
         (supports_layer_loads) raises UnsupportedError, and nothing is
         sent; a range past the namespace's layers is refused by the daemon
         (KvhostError, code "invalid argument", naming the range)."""
-        body = p.transfer(cache, keys, blocks, load=True)
         if layers is None:
-            return self._job(p.T_LOAD, body, block, len(keys))
-        body += p.layer_range(layers)
+            return self._job(p.T_LOAD, p.transfer(cache, keys, blocks, load=True), block, len(keys))
+        p.layer_range(layers)  # a bad range raises before the keys are packed
+        return self.load_prepared(self.prepare_load(cache, keys, blocks), layers, block)
+
+    def prepare_load(self, cache, keys, blocks):
+        """Packs a load of keys into cache blocks once, for load_prepared
+        to send for several layer ranges: a layer-wise load sends the same
+        keys and blocks once per group of layers, and packing them is most
+        of the client's time per job (about 0.1 ms for 126 keys of 16
+        blocks). Checks what load checks; raises the same errors."""
+        return PreparedLoad(p.transfer(cache, keys, blocks, load=True), len(keys))
+
+    def load_prepared(self, prepared, layers, block=True):
+        """load of a prepare_load's keys and blocks for layers=(first,
+        count), as load(..., layers=layers) with the same arguments."""
         if not self.supports_layer_loads:
             raise UnsupportedError(p.CODE_UNSUPPORTED, f"a load of layers {tuple(layers)}: the daemon "
                                    f"{self.limits.get('server', '')!r} announced no layer-range loads "
                                    f"(protocol version {self.limits.get('version')})")
-        return self._job(p.T_LOAD_LAYERS, body, block, len(keys))
+        return self._job(p.T_LOAD_LAYERS, prepared.body + p.layer_range(layers), block, prepared.keys)
 
     def cancel(self, job):
         """Asks to cancel a job; True if it was still in flight."""

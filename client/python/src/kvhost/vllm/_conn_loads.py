@@ -95,13 +95,14 @@ class ConnectorLoads:
         for n, key in where.items():
             first_layer[key] = min(first_layer.get(key, len(self._order)), self._order.get(n, 0))
         step.t0 = time.monotonic()
+        packed = {}  # (namespace name, group) -> its requests, packed once for every layer group (_load_jobs)
         for key in sorted(ranges, key=lambda k: (first_layer.get(k, 0), k)):
             first, count, ranged = ranges[key]
             jobs = step.jobs[key] = []
             for name, ts in parts:
                 ts = [t for t in ts if t.group == key[0]]
                 if ts:
-                    self._load_jobs(client, (name, key[0]), ts, first, count, ranged, jobs)
+                    self._load_jobs(client, (name, key[0]), ts, first, count, ranged, jobs, packed)
             sent_ms = (time.monotonic() - step.t0) * 1e3
             for job, _, _ in jobs:
                 step.timeline[job] = {"group": list(key), "layers": [first, count], "sent_ms": sent_ms,
@@ -110,10 +111,37 @@ class ConnectorLoads:
         self._stats["load_jobs"] += sum(len(j) for j in step.jobs.values())
         self._stats["load_keys"] += len(keys)
 
-    def _load_jobs(self, client, name, loads, first, count, ranged, jobs):
+    def _load_jobs(self, client, name, loads, first, count, ranged, jobs, packed):
         """Sends the load jobs of loads (all of name: (salt namespace name,
         KV-cache group)) for layers [first, first + count) (the whole key
-        where not ranged), appending (job, blocks, owners) to jobs."""
+        where not ranged), appending (job, blocks, owners) to jobs. A
+        layer range's requests are packed once per step, in packed (by
+        name), for every layer group of the same keys."""
+        if name not in packed:
+            packed[name] = self._pack_loads(client, name, loads, ranged)
+        for prepared, blocks, owners in packed[name]:
+            try:
+                if isinstance(prepared, Exception):
+                    raise prepared
+                if ranged:
+                    job = client.load_prepared(prepared, (first, count), block=False)
+                else:
+                    job = client.load(*prepared, block=False)
+            except (KvhostError, ConnectionLost, OSError, ValueError) as e:
+                log.warning("kvhost connector: load of layers %d-%d: %s", first, first + count - 1, e)
+                self._fail(blocks)
+                if lost_connection(e, client):
+                    with self._cv:
+                        self._lost_locked(client, reason(e))
+                continue
+            jobs.append((job, blocks, owners))
+
+    def _pack_loads(self, client, name, loads, ranged):
+        """The requests of loads (all of name), at most MAX_KEYS_PER_REQUEST
+        keys each: (the request packed by prepare_load where ranged, else
+        load's arguments, or the error packing raised; its blocks; its
+        requests' ids). [] where the worker has no cache of name's salt
+        namespace (its blocks are load errors)."""
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
         owners = [t.req_id for t in loads for _ in t.keys]
@@ -122,22 +150,18 @@ class ConnectorLoads:
             log.warning("kvhost connector: loads of salt namespace %r, which this worker's salt_namespaces does not "
                         "name: vLLM recomputes them", name)
             self._fail(blocks)
-            return
+            return []
+        out = []
         for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
             sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
-            try:
-                if ranged:
-                    job = client.load(cache, keys[sl], blocks[sl], block=False, layers=(first, count))
-                else:
-                    job = client.load(cache, keys[sl], blocks[sl], block=False)
-            except (KvhostError, ConnectionLost, OSError, ValueError) as e:
-                log.warning("kvhost connector: load of layers %d-%d: %s", first, first + count - 1, e)
-                self._fail(blocks[sl])
-                if lost_connection(e, client):
-                    with self._cv:
-                        self._lost_locked(client, reason(e))
-                continue
-            jobs.append((job, blocks[sl], frozenset(owners[sl])))
+            prepared = (cache, keys[sl], blocks[sl])
+            if ranged:
+                try:
+                    prepared = client.prepare_load(*prepared)
+                except ValueError as e:  # each layer group's job reports it
+                    prepared = e
+            out.append((prepared, blocks[sl], frozenset(owners[sl])))
+        return out
 
     def _fence(self):
         """Waits until vLLM's CUDA stream has run the work queued so far:
