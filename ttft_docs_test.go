@@ -133,18 +133,26 @@ func TestTTFTFiguresMatchTheirRawFiles(t *testing.T) {
 		t.Fatal("docs/vllm.md has no TTFT section")
 	}
 	text = text[start:]
-	call := func(cell string) string {
+	// call returns a row's call: its commit and the suffix of its runs'
+	// names ("3720e1fe b": the b call of that commit, runs "tmpfs-b"
+	// and "cold-b"; "" for a commit's first call).
+	call := func(cell string) (commit, suffix string) {
 		if m := reLinkText.FindStringSubmatch(cell); m != nil {
-			return m[1]
+			cell = m[1]
 		}
-		return cell
+		commit, suffix, _ = strings.Cut(cell, " ")
+		if suffix != "" {
+			suffix = "-" + suffix
+		}
+		return commit, suffix
 	}
 	var layerwise, ratios, bounds, recomputes []float64
 	for _, r := range ttftTable(t, text, "From tmpfs, files registered") {
-		c, p := call(r[0]), strings.ReplaceAll(r[1], ",", "")
-		run := ttftRuns(t, c)["tmpfs"]
+		c, suffix := call(r[0])
+		p := strings.ReplaceAll(r[1], ",", "")
+		run := ttftRuns(t, c)["tmpfs"+suffix]
 		if run == nil {
-			t.Errorf("%s: its raw file has no tmpfs run", c)
+			t.Errorf("%s: its raw file has no tmpfs%s run", c, suffix)
 			continue
 		}
 		for k, mode := range []string{"recompute", "bound", "whole", "layerwise"} {
@@ -164,10 +172,11 @@ func TestTTFTFiguresMatchTheirRawFiles(t *testing.T) {
 		}
 	}
 	for _, r := range ttftTable(t, text, "From the cold ext4 disk") {
-		c, p := call(r[0]), strings.ReplaceAll(r[1], ",", "")
-		run := ttftRuns(t, c)["cold"]
+		c, suffix := call(r[0])
+		p := strings.ReplaceAll(r[1], ",", "")
+		run := ttftRuns(t, c)["cold"+suffix]
 		if run == nil {
-			t.Errorf("%s: its raw file has no cold run", c)
+			t.Errorf("%s: its raw file has no cold%s run", c, suffix)
 			continue
 		}
 		for k, mode := range []string{"recompute", "whole", "llmd"} {
