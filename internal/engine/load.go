@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"golang.org/x/sys/unix"
+	"runtime/trace"
 	"slices"
 	"sync"
 
@@ -46,6 +47,14 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 
 func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, lr LayerRange, turn loadTurn) {
 	defer e.finish(j)
+	// An execution trace (kvhost bench --trace, or the metrics
+	// listener's /debug/pprof/trace) shows each load as a task and its
+	// phases as regions (docs/performance.md).
+	ctx, task := trace.NewTask(ctx, "load")
+	defer task.End()
+	if !lr.all() {
+		trace.Log(ctx, "layers", lr.String())
+	}
 	ns := c.ns
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 
@@ -55,6 +64,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	var pins []abi.AccessRecord
 	var objs []int // request indices of keys read from the object mount
 	dup := func(en *entry) bool { _, ok := byEntry[en]; return ok }
+	pinning := trace.StartRegion(ctx, "load: pin")
 	for i, k := range keys {
 		// The index's entry is found and pinned in one hold of the lock
 		// (every load takes it); a key it lacks is looked for on disk.
@@ -79,9 +89,11 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		byEntry[en] = append(byEntry[en], i)
 	}
 	e.access(ctx, pins)
+	pinning.End()
 
 	// The cache's earlier loads take their file slots first (loadOrder).
-	turn.wait(ctx)
+	trace.WithRegion(ctx, "load: turn", func() { turn.wait(ctx) })
+	slots := trace.StartRegion(ctx, "load: file slots")
 	var wg sync.WaitGroup
 	failAll := func(idx []int, err error) {
 		for _, i := range idx {
@@ -139,7 +151,8 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		spawn([]int{i}, e.objs.takeSlot, e.objs.giveSlot, func() { e.objs.load(ctx, j, c, keys, blocks, lr, i) })
 	}
 	turn.done() // every file has its slot: the cache's next load may take slots
-	wg.Wait()
+	slots.End()
+	trace.WithRegion(ctx, "load: files", wg.Wait)
 
 	// Unpin; loaded entries count as hits. A layer-wise load of a key
 	// is one job per group of layers: only the group that starts at
@@ -175,7 +188,13 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	// gone from its path as much as one removed. Nor waiting on a named
 	// pipe put at the name (checkOpen; openData). A file its client
 	// pins hold open is read there (openLoad).
-	f, id, idErr, err := e.chk.openLoad(m, en, buffered)
+	var (
+		f     fsys.File
+		id    fsys.Identity
+		idErr error
+		err   error
+	)
+	trace.WithRegion(ctx, "load: open", func() { f, id, idErr, err = e.chk.openLoad(m, en, buffered) })
 	if err != nil {
 		all(e.shared.vanished(ctx, en, err))
 		return
@@ -300,7 +319,8 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if check {
 		sums = make([]uint32, plan.Sums)
 	}
-	if err := readPlan(ctx, mv, f, plan, sk, sums, &e.busy.io); err != nil {
+	trace.WithRegion(ctx, "load: read", func() { err = readPlan(ctx, mv, f, plan, sk, sums, &e.busy.io) })
+	if err != nil {
 		ok := true
 		if isShort(err) {
 			// Truncated while we read it.
@@ -324,7 +344,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	var errs []error // file key -> why it failed; nil: all verified
 	bad := false
 	if check {
-		errs, bad = verifyRead(ctx, f, h, sk, sums, read, en.Path)
+		trace.WithRegion(ctx, "load: verify", func() { errs, bad = verifyRead(ctx, f, h, sk, sums, read, en.Path) })
 	}
 	for _, k := range read {
 		if errs != nil && errs[k] != nil {

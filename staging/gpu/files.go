@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime/trace"
 	"strconv"
 	"strings"
 	"sync"
@@ -981,7 +982,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 	return m.onLane(dev, func(ln *lane) (total int64, err error) {
 		base := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
 		d := len(ln.events)
-		run := m.startRun(dev, ln, d)
+		run := m.startRun(ctx, dev, ln, d)
 		cpuSums, onDevice := m.sumsWhere(dev, ln, chunks, sums)
 		defer func() {
 			if werr := run.finish(); err == nil && werr != nil {
@@ -997,6 +998,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 		// enqueue enqueues chunks [from, to), then (sum) the checksum
 		// kernel, and records event s after them.
 		enqueue := func(from, to, s int, sum bool) error {
+			defer trace.StartRegion(ctx, "gpu: enqueue").End()
 			cp.Reset()
 			for k := from; k < to; k++ {
 				c := &chunks[k]
@@ -1022,6 +1024,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 			c := &chunks[k]
 			n := int(c.end - c.off)
 			if cpuSums != nil {
+				defer trace.StartRegion(ctx, "gpu: checksum").End()
 				if err := region.Guard(func() error {
 					for lo := 0; lo < n; lo += fuseBatch {
 						hi := min(n, lo+fuseBatch)

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,6 +19,7 @@ import (
 	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/testtrace"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -1256,4 +1258,24 @@ func TestRegisteredFilesCloseEndsTheRegistrarsWait(t *testing.T) {
 		t.Fatalf("%d descriptors open after Close, %d before; want the waiting offer's closed", after, before)
 	}
 	m.files.endStream()
+}
+
+// TestARegisteredLoadShowsItsPhasesInAnExecutionTrace: a load of a
+// registered file, in an execution trace, has regions for its copies'
+// enqueue, its wait for them and its checksum, each ended.
+func TestARegisteredLoadShowsItsPhasesInAnExecutionTrace(t *testing.T) {
+	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	evs := testtrace.Record(t, func() { load(t, e, m, kv, kf, host, orig) })
+	if st := m.FileStats(); st.Loads != 1 {
+		t.Fatalf("%+v: the load did not go through the registered file", st)
+	}
+	regions, ended := testtrace.Regions(evs, "")
+	for _, r := range []string{"gpu: enqueue", "gpu: copy wait", "gpu: checksum"} {
+		if !slices.Contains(regions, r) {
+			t.Errorf("no region %q in the trace; it has %q", r, regions)
+		}
+	}
+	if !ended {
+		t.Errorf("a region was not ended: %v", evs)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/trace"
 	"time"
 
 	"github.com/kvhost/kvhost/cuda"
@@ -131,6 +132,7 @@ func copies(cp *cuda.Copies, c *chunk, bufPtr uintptr, h2d bool) {
 // copies are enqueued and not yet waited for, and whether a CUDA call on
 // the lane failed.
 type laneRun struct {
+	ctx     context.Context // the job's: its waits are execution-trace regions
 	m       *Mover
 	dev     *device
 	ln      *lane
@@ -148,8 +150,8 @@ type laneRun struct {
 
 // startRun starts a job's run on ln with slots events (at most
 // len(ln.events)).
-func (m *Mover) startRun(dev *device, ln *lane, slots int) *laneRun {
-	return &laneRun{m: m, dev: dev, ln: ln, pending: make([]bool, slots)}
+func (m *Mover) startRun(ctx context.Context, dev *device, ln *lane, slots int) *laneRun {
+	return &laneRun{ctx: ctx, m: m, dev: dev, ln: ln, pending: make([]bool, slots)}
 }
 
 // recorded records slot s's event after copies whose enqueue returned
@@ -178,6 +180,7 @@ func (r *laneRun) wait(s int) error {
 		return nil
 	}
 	r.pending[s] = false
+	defer trace.StartRegion(r.ctx, "gpu: copy wait").End()
 	return r.called(r.m.await(r.ln.events[s]))
 }
 
@@ -256,7 +259,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			bufs = append(bufs, i)
 		}
 		d := len(bufs)
-		run := m.startRun(dev, ln, d)
+		run := m.startRun(ctx, dev, ln, d)
 		cpuSums, onDevice := m.sumsWhere(dev, ln, chunks, sums)
 		defer func() {
 			werr := run.finish()

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Where a kvhost daemon's loads spend their time, from a Go execution
+trace of the daemon: each task's and region's durations, as quantiles.
+
+    trace-regions.py TRACE            (runs `go tool trace -d=parsed TRACE`)
+    trace-regions.py --parsed FILE    (that command's output, - for stdin)
+
+Take the trace with the metrics listener's profiling on ([metrics]
+profiling = true): curl -o trace.out
+'http://127.0.0.1:9400/debug/pprof/trace?seconds=3' while loads run, or
+`kvhost bench --trace FILE`. Each load job is a task "load" (a
+layer-range load logs its range, "layers [F, E)"), its phases regions
+("load: pin", "load: turn", "load: file slots", "load: files") and each
+file's ("load: open", "load: read", "load: verify"; in the GPU mover's
+registered-file path "gpu: enqueue", "gpu: copy wait", "gpu: checksum").
+One line per task type, per task type and logged range, and per region
+type:
+
+    task load n 120 p50_us 5012 p90_us 11230 p99_us 19506 max_us 19506
+    task load layers [0, 1) n 12 p50_us 5117 ...
+    region load: read n 15120 p50_us 1190 ...
+"""
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+
+EVENT = re.compile(r'\bG=(-?\d+) (TaskBegin|TaskEnd|RegionBegin|RegionEnd|Log) Time=(\d+) (?:ID|Task)=(\d+)'
+                   r'.*?(?:Type|Message)="([^"]*)"')
+
+
+def durations(lines):
+    """(task durations by type, by (type, logged message), region durations
+    by type), in nanoseconds, from `go tool trace -d=parsed` lines."""
+    tasks, logs = {}, {}  # task id -> (type, begin); task id -> its first log
+    by_task, by_log, regions = (collections.defaultdict(list) for _ in range(3))
+    stacks = collections.defaultdict(list)  # goroutine -> its open regions, (type, begin)
+    for line in lines:
+        m = EVENT.search(line)
+        if not m:
+            continue
+        g, kind, t, ident, name = m.group(1), m.group(2), int(m.group(3)), m.group(4), m.group(5)
+        if kind == "TaskBegin":
+            tasks[ident] = (name, t)
+        elif kind == "Log":
+            logs.setdefault(ident, name)
+        elif kind == "TaskEnd" and ident in tasks:
+            typ, begin = tasks.pop(ident)
+            by_task[typ].append(t - begin)
+            if ident in logs:
+                by_log[(typ, logs.pop(ident))].append(t - begin)
+        elif kind == "RegionBegin":
+            stacks[g].append((name, t))
+        elif kind == "RegionEnd":
+            stack = stacks[g]
+            # The innermost open region of that type (regions nest).
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i][0] == name:
+                    regions[name].append(t - stack[i][1])
+                    del stack[i]
+                    break
+    return by_task, by_log, regions
+
+
+def quantiles(ns):
+    ns = sorted(ns)
+    q = lambda p: ns[min(len(ns) - 1, int(p * len(ns)))] / 1e3
+    return f"n {len(ns)} p50_us {q(0.5):.0f} p90_us {q(0.9):.0f} p99_us {q(0.99):.0f} max_us {ns[-1] / 1e3:.0f}"
+
+
+def report(lines, out=sys.stdout):
+    by_task, by_log, regions = durations(lines)
+    for typ in sorted(by_task):
+        print(f"task {typ} {quantiles(by_task[typ])}", file=out)
+    for (typ, msg) in sorted(by_log, key=lambda k: (k[0], [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k[1])])):
+        print(f"task {typ} {msg} {quantiles(by_log[(typ, msg)])}", file=out)
+    for name in sorted(regions):
+        print(f"region {name} {quantiles(regions[name])}", file=out)
+    return bool(by_task or regions)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", nargs="?", help="a Go execution trace of the daemon")
+    ap.add_argument("--parsed", help="`go tool trace -d=parsed`'s output instead (- for stdin)")
+    a = ap.parse_args(argv)
+    if a.parsed:
+        lines = sys.stdin if a.parsed == "-" else open(a.parsed)
+    elif a.trace:
+        p = subprocess.run(["go", "tool", "trace", "-d=parsed", a.trace], capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.exit(f"trace-regions: go tool trace -d=parsed {a.trace}: {p.stderr.strip()}")
+        lines = p.stdout.splitlines()
+    else:
+        ap.error("name a trace, or --parsed FILE")
+    if not report(lines):
+        sys.exit("trace-regions: no task or region in the trace (taken while no load ran?)")
+
+
+if __name__ == "__main__":
+    main()
