@@ -780,6 +780,45 @@ class TestLongerReplies(unittest.TestCase):
 
 
 class TestAbandonedRequests(unittest.TestCase):
+    def test_pin_later_returns_before_the_reply_and_gives_the_pin_when_it_comes(self):
+        fake, c = connected_to_fake(self, timeout=5)
+        frames, reply = [], threading.Event()
+
+        def daemon():
+            frames.append(fake.read_frame())
+            reply.wait(60)
+            ftype, req_id, _ = frames[0]
+            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<QI", 9, 2) + bytes([p.PIN_HELD, p.PIN_MISSING]))
+        d = threading.Thread(target=daemon)
+        d.start()
+        pending = c.pin_later(1, [b"a", b"b"])  # unanswered yet: returns anyway
+        self.assertFalse(pending.answered())
+        reply.set()
+        self.assertEqual(pending.result(), (9, [True, False]))
+        self.assertTrue(pending.answered())
+        d.join(60)
+        self.assertEqual(frames[0][0], p.T_PIN)
+
+    def test_a_pin_later_given_up_is_unpinned_when_its_reply_comes(self):
+        fake, c = connected_to_fake(self, timeout=5)
+        got = {}
+
+        def daemon():
+            ftype, req_id, _ = fake.read_frame()
+            got["abandoned"].wait(60)
+            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<QI", 11, 1) + bytes([p.PIN_HELD]))
+            got["unpin"] = fake.read_frame()
+            fake.reply(got["unpin"][0] | p.T_REPLY, got["unpin"][1], struct.pack("<I", 1))
+
+        got["abandoned"] = threading.Event()
+        d = threading.Thread(target=daemon)
+        d.start()
+        c.pin_later(1, [b"k"]).abandon()
+        got["abandoned"].set()
+        d.join(60)
+        self.assertEqual(got["unpin"][0], p.T_UNPIN, "no unpin of the pin given up")
+        self.assertEqual(struct.unpack("<Q", got["unpin"][2])[0], 11)
+
     def test_a_pin_whose_reply_comes_after_the_timeout_is_unpinned(self):
         # The caller got a TimeoutError and no pin id: when the reply
         # comes, the client gives the pin back rather than leave the

@@ -371,7 +371,11 @@ class FrozenDaemonUnderTheKvConnector(rk.RealKvConnectorCase):
         self.assertEqual(self.rows(kv, others), pattern, "the resumed daemon wrote a block vLLM handed out")
         self.assertEqual(self.rows(kv, loaded), want, "the late load landed outside the blocks held for it")
 
-    def test_the_schedulers_calls_wait_for_a_frozen_daemon_once_within_the_bound(self):
+    def test_the_schedulers_calls_never_wait_on_a_frozen_daemons_pin_and_find_it_unanswered(self):
+        # The pin is sent without waiting for its reply: the scheduler's
+        # call returns at once. The first call daemon_wait_s after it
+        # finds it unanswered, and from then on nothing is claimed until
+        # the daemon answers.
         sched, worker, kv = self.engine(seed=14, load_split="all", daemon_wait_s=BOUND, reconnect_s=0.05)
         nblk = 2 * rk.BPC + 1
         self.save_prompt(sched, worker, self.request("a", "kvc-frozen-sched", nblk), list(range(1, 1 + nblk)))
@@ -380,16 +384,26 @@ class FrozenDaemonUnderTheKvConnector(rk.RealKvConnectorCase):
         try:
             (n, _), took_lookup = timed("get_num_new_matched_tokens, frozen daemon (the lookup table answers)",
                                         lambda: sched.get_num_new_matched_tokens(first, 0))
-            _, took_pin = timed("update_state_after_alloc (a pin), frozen daemon",
+            _, took_pin = timed("update_state_after_alloc (a pin, not waited for), frozen daemon",
                                 lambda: sched.update_state_after_alloc(first, self.blocks(list(range(30, 30 + nblk))), n))
+            pinned = time.monotonic()
             self.assertLess(took_lookup, BOUND + MARGIN)
-            self.assertLess(took_pin, BOUND + MARGIN, "the pin waited on the frozen daemon")
+            self.assertLess(took_pin, MARGIN, "the pin waited on the frozen daemon")
+            calls = []
+
+            def unclaimed():
+                got, took = timed("get_num_new_matched_tokens, frozen daemon, pin unanswered",
+                                  lambda: sched.get_num_new_matched_tokens(again, 0))
+                calls.append((time.monotonic() - pinned, took))
+                return got == (0, False)
+            d.wait_for(unclaimed, what="a call to find the pin unanswered and claim nothing")
+            self.assertGreater(calls[-1][0], BOUND, "found unanswered before daemon_wait_s")
             self.assertFalse(sched.counters()["answering"])
-            # Until the daemon answers, no call asks it: nothing is claimed.
-            got, took = timed("get_num_new_matched_tokens after a timeout, frozen daemon",
-                              lambda: sched.get_num_new_matched_tokens(again, 0))
+            self.assertLess(max(took for _, took in calls), BOUND, "a call waited on the frozen daemon")
+            got, took = timed("get_num_new_matched_tokens once found unanswered, frozen daemon",
+                              lambda: sched.get_num_new_matched_tokens(self.request("e", "kvc-frozen-sched", nblk), 0))
             self.assertEqual(got, (0, False))
-            self.assertLess(took, BOUND, "a second call waited on the daemon again")
+            self.assertLess(took, BOUND, "a call waited on the daemon again")
         finally:
             self.daemon.thaw()
         d.wait_for(lambda: sched.counters()["answering"], what="the probe to find the daemon answering")

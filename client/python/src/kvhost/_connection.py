@@ -85,6 +85,41 @@ def _connect(sock, path, timeout):
                 raise
 
 
+class _Later:
+    """A request sent whose reply is not waited for yet (_call_later)."""
+    __slots__ = ("_conn", "_ftype", "_req_id", "_pend", "_undo", "sent")
+
+    def __init__(self, conn, ftype, req_id, pend, undo):
+        self._conn, self._ftype, self._req_id, self._pend, self._undo = conn, ftype, req_id, pend, undo
+        self.sent = time.monotonic()  # when it was sent
+
+    def answered(self):
+        """Whether the reply came (or the connection ended)."""
+        return self._pend.event.is_set()
+
+    def reply(self):
+        """The reply's (type, body), waited for up to the connection's
+        timeout as _call waits: on a TimeoutError undo is called with the
+        reply's body once it comes; a refusal raises KvhostError, a lost
+        connection ConnectionLost."""
+        pend, ftype = self._pend, self._ftype
+        if not pend.event.wait(self._conn._timeout):
+            self.abandon()
+            raise TimeoutError(f"no reply to request {self._req_id} after {self._conn._timeout}s")
+        if pend.error is not None:
+            raise _again(pend.error)
+        if pend.ftype != ftype | p.T_REPLY:
+            raise _refusal(pend.ftype, pend.body, ftype)
+        return pend.ftype, pend.body
+
+    def abandon(self):
+        """Gives the reply up: undo is called with its body once it comes
+        (at once where it came)."""
+        if self._undo is not None:
+            threading.Thread(target=self._conn._undo_late, args=(self._pend, self._ftype, self._undo), daemon=True,
+                             name=f"kvhost-undo-{self._req_id}").start()
+
+
 class _Connection:
     """A connection to the kvhost daemon: the handshake, the reader thread,
     requests and jobs sent and answered, and closing. Client adds the
@@ -410,17 +445,13 @@ class _Connection:
         reply comes: what the daemon made for a caller that gave up (a pin,
         a region, a cache) is given back, not held until the connection
         closes."""
+        return self._call_later(ftype, body, fds, undo).reply()
+
+    def _call_later(self, ftype, body, fds=None, undo=None):
+        """Sends a request and returns its _Later, whose reply() waits for
+        what _call returns."""
         req_id, pend = self._send(ftype, body, fds)
-        if not pend.event.wait(self._timeout):
-            if undo is not None:
-                threading.Thread(target=self._undo_late, args=(pend, ftype, undo), daemon=True,
-                                 name=f"kvhost-undo-{req_id}").start()
-            raise TimeoutError(f"no reply to request {req_id} after {self._timeout}s")
-        if pend.error is not None:
-            raise _again(pend.error)
-        if pend.ftype != ftype | p.T_REPLY:
-            raise _refusal(pend.ftype, pend.body, ftype)
-        return pend.ftype, pend.body
+        return _Later(self, ftype, req_id, pend, undo)
 
     def _undo_late(self, pend, ftype, undo):
         """Waits for the reply of a request whose caller gave up (it comes,

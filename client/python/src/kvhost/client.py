@@ -34,6 +34,54 @@ class PreparedLoad:
         self.body, self.keys = body, keys
 
 
+def _pin_request(ftype, ns, keys, lease_s, tail=b""):
+    """A pin's (frame type, body)."""
+    ns = ns.id if isinstance(ns, Namespace) else ns
+    ms = int(round(lease_s * 1000))
+    if lease_s > 0 and ms == 0:
+        ms = 1
+    if not 0 <= ms <= p.MAX_LEASE_MS:
+        raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
+    return ftype, p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys) + tail
+
+
+def _pin_reply(body, nkeys):
+    """(pin id, each key's state) of the reply to a pin of nkeys keys."""
+    pin_id, n = struct.unpack_from("<QI", body)
+    if n != nkeys:  # a body too short for n: the reader refused it (reply_problem)
+        raise p.ProtocolError(f"pin reply for {n} keys to a pin of {nkeys}")
+    return pin_id, body[12:12 + n]
+
+
+class PendingPin:
+    """A pin sent, its reply not waited for yet (Client.pin_later)."""
+    __slots__ = ("_later", "_keys")
+
+    def __init__(self, later, keys):
+        self._later, self._keys = later, keys
+
+    @property
+    def sent(self):
+        """When the pin was sent (time.monotonic())."""
+        return self._later.sent
+
+    def answered(self):
+        """Whether the daemon's reply came (or the connection ended)."""
+        return self._later.answered()
+
+    def result(self):
+        """(pin id, [bool per key: pinned]), as Client.pin returns, waited
+        for up to the connection's timeout; raises what pin would (a pin
+        whose reply comes after the TimeoutError is released then)."""
+        _, body = self._later.reply()
+        pin_id, states = _pin_reply(body, self._keys)
+        return pin_id, [s == p.PIN_HELD for s in states]
+
+    def abandon(self):
+        """Gives the pin up unwaited: released once its reply comes."""
+        self._later.abandon()
+
+
 class Client(_Connection):
     """A connection to the kvhost daemon at path (a Unix socket; None means
     default_socket()). timeout (seconds; None: none) bounds each wait on
@@ -366,19 +414,17 @@ class Client(_Connection):
         frame raises KvhostError (UnknownType)."""
         self._call(p.T_GROUP, p.group_str8(group, False))
 
+    def pin_later(self, ns, keys, lease_s=0.0):
+        """pin, sent without waiting for the daemon's reply: a PendingPin
+        whose result() is what pin returns (for a caller that need not
+        know yet, such as a scheduler pinning what its workers load next:
+        the daemon pins in the order it reads, before any later request
+        of this connection)."""
+        return PendingPin(self._call_later(*_pin_request(p.T_PIN, ns, keys, lease_s), undo=self._unpin_late), len(keys))
+
     def _pin(self, ftype, ns, keys, lease_s, tail=b""):
-        ns = ns.id if isinstance(ns, Namespace) else ns
-        ms = int(round(lease_s * 1000))
-        if lease_s > 0 and ms == 0:
-            ms = 1
-        if not 0 <= ms <= p.MAX_LEASE_MS:
-            raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
-        body = p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys) + tail
-        _, body = self._call(ftype, body, undo=self._unpin_late)
-        pin_id, n = struct.unpack_from("<QI", body)
-        if n != len(keys):  # a body too short for n: the reader refused it (reply_problem)
-            raise p.ProtocolError(f"pin reply for {n} keys to a pin of {len(keys)}")
-        return pin_id, body[12:12 + n]
+        _, body = self._call(*_pin_request(ftype, ns, keys, lease_s, tail), undo=self._unpin_late)
+        return _pin_reply(body, len(keys))
 
     def unpin(self, pin_id):
         """Releases a pin; returns how many keys it held (0 if it was

@@ -54,8 +54,11 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         self._reqs = {}
         self._loads = {}                       # req id -> [Transfer per group], for the next build_connector_meta
         self._load_errors = {}                 # req id -> block ids of a claim that cannot load (reported failed)
-        self._pins = {}                        # step -> (when, the pin ids its loads hold)
+        self._pins = {}                        # step -> (when, the pins its loads hold: ids, or PendingPins)
         self._step_pins = []
+        # The pins sent whose replies have not come, in the order sent, each
+        # with its connection (_pin, _ask).
+        self._unanswered_pins = collections.deque()
         self._steps = 0                        # steps built
         self._work = {}                        # step -> its requests' (total, cached) tokens, for the prefill model
         self._stats = collections.Counter()
@@ -191,11 +194,20 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         the next one (where they may name pins of its own)."""
         self._pins.clear()
         self._step_pins = []
+        self._unanswered_pins.clear()
         self._unpin_later = []
 
     def _ask(self):
         """The connection for a request made in a vLLM call: None where
-        none is usable, or while the daemon leaves one unanswered."""
+        none is usable, or while the daemon leaves one unanswered; a pin
+        sent daemon_wait_s ago and still unanswered is found here."""
+        q = self._unanswered_pins
+        while q and q[0][1].answered():
+            q.popleft()
+        if q and time.monotonic() - q[0][1].sent > self._opts["daemon_wait_s"]:
+            client = q[0][0]
+            q.clear()
+            self._timed_out(client, TimeoutError(f"a pin unanswered after {self._opts['daemon_wait_s']:g}s"))
         return None if self._unanswered else self._usable()
 
     def _timed_out(self, client, e):
@@ -276,6 +288,12 @@ class ConnectorScheduler(SchedulerLookups, _Half):
                 self._pin(t.keys, st.ns, t.group)
 
     def _pin(self, keys, name=None, group=0):
+        """Sends the pins of keys without waiting for the daemon's replies,
+        so that vLLM's scheduler goes on at once (a pin of 126 keys took
+        about 1.2 ms to answer); each load pins the files it reads itself.
+        The replies are taken when the step's pins are released (_unpin);
+        one still unanswered after daemon_wait_s is found by the next call
+        that would ask the daemon (_ask)."""
         client, nss = self._ask(), self._ns
         if client is None:
             return
@@ -283,15 +301,40 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         try:
             for ns in nss:
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
-                    pin_id, ok = client.pin(ns, keys[i:i + p.MAX_KEYS_PER_REQUEST], self._opts["pin_lease_s"])
-                    if pin_id:
-                        self._step_pins.append(pin_id)
-                    self._stats["pin_missed_keys"] += sum(1 for h in ok if not h)
+                    pin = client.pin_later(ns, keys[i:i + p.MAX_KEYS_PER_REQUEST], self._opts["pin_lease_s"])
+                    self._step_pins.append(pin)
+                    self._unanswered_pins.append((client, pin))
         except Exception as e:  # the load finds out: its blocks are recomputed
-            self._stats["pin_errors"] += 1
-            log.debug("kvhost connector: pin: %s", e)
-            if isinstance(e, TimeoutError):
-                self._timed_out(client, e)
+            self._pin_failed(client, e)
+
+    def _pin_failed(self, client, e):
+        self._stats["pin_errors"] += 1
+        log.debug("kvhost connector: pin: %s", e)
+        if isinstance(e, TimeoutError):
+            self._timed_out(client, e)
+
+    def _pin_ids(self, client, pins):
+        """The ids of pins (ids, or PendingPins whose replies are taken
+        here), counting the keys they missed. A pin refused or unanswered
+        holds nothing to release; while the daemon leaves a request
+        unanswered each PendingPin is given up, released once its reply
+        comes."""
+        ids = []
+        for pin in pins:
+            if isinstance(pin, int):
+                ids.append(pin)
+            elif self._unanswered:
+                pin.abandon()
+            else:
+                try:
+                    pin_id, ok = pin.result()
+                except Exception as e:  # noqa: BLE001 - refused, unanswered, or the connection gone
+                    self._pin_failed(client, e)
+                    continue
+                self._stats["pin_missed_keys"] += sum(1 for h in ok if not h)
+                if pin_id:
+                    ids.append(pin_id)
+        return ids
 
     def _layers_per_job(self, loads):
         """The layers per load job of a step's loads: sized to the tokens
@@ -454,6 +497,7 @@ class ConnectorScheduler(SchedulerLookups, _Half):
 
     def _unpin(self, pins):
         client = self._client
+        pins = self._pin_ids(client, pins)
         with self._cv:
             if self._unanswered:  # sent once the daemon answers again (_probe)
                 self._unpin_later += pins
