@@ -106,6 +106,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import types
 import warnings
@@ -143,6 +144,12 @@ def parse_args(argv=None):
                          "or for another engine's files; default: the daemon's)")
     ap.add_argument("--daemon-toml", default="",
                     help="more of the daemon's TOML configuration, before its [[mount]] (e.g. '[gpu]\\nchecksum_on = \"gpu\"')")
+    ap.add_argument("--daemon-trace", metavar="FILE",
+                    help="take a Go execution trace of the started daemon during the layer-wise mode's timed "
+                         "repetitions at the largest prefix (--daemon-trace-seconds long, from its metrics listener "
+                         "with profiling on), into FILE: scripts/trace-regions.py FILE reads its loads' phases")
+    ap.add_argument("--daemon-trace-seconds", type=float, default=2.0,
+                    help="how long the --daemon-trace trace runs (from the first timed repetition)")
     ap.add_argument("--policy-toml", default="",
                     help="more keys of the daemon's [policy] (e.g. 'name = \"tiered\"')")
     ap.add_argument("--objects", metavar="ENDPOINT",
@@ -190,6 +197,11 @@ def parse_args(argv=None):
         ap.error(f"unknown modes {sorted(unknown)}")
     if not a.dir and not a.socket:
         ap.error("give --dir (a daemon is started there) or --socket")
+    if a.daemon_trace and (a.socket or "[metrics]" in a.daemon_toml):
+        ap.error("--daemon-trace takes the trace from the metrics listener of a daemon started here, which this "
+                 "script makes (no --socket, no [metrics] table in --daemon-toml)")
+    if a.daemon_trace and "layerwise" not in a.modes:
+        ap.error("--daemon-trace traces the layer-wise mode: add it to --modes")
     if a.corrupt_stored and not a.dir:
         ap.error("--corrupt-stored needs --dir (the files it corrupts)")
     if a.tokens_per_key % 16:
@@ -322,6 +334,38 @@ def disk_ceiling(files, cold_state, reads=DISK_READS):
 # the spare files made ahead (their count and their bytes) and the GPU
 # path's registrations still queued.
 SETTLE_METRICS = ("kvhost_spare_files_made_total", "kvhost_mount_spare_bytes", "kvhost_gpu_file_registrations_queued")
+
+
+class DaemonTrace:
+    """A Go execution trace of the daemon, taken from its metrics
+    listener's /debug/pprof/trace (profiling on) on a thread of its own
+    while the timed repetitions run."""
+
+    def __init__(self, metrics_addr, path, seconds):
+        self.url = f"http://{metrics_addr}/debug/pprof/trace?seconds={seconds:g}"
+        self.path, self.seconds = path, seconds
+        self.thread, self.error, self.size = None, None, 0
+
+    def start(self):
+        self.thread = threading.Thread(target=self._take, name="ttft-daemon-trace", daemon=True)
+        self.thread.start()
+
+    def _take(self):
+        import urllib.request
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.seconds + 60) as r, open(self.path, "wb") as f:
+                while chunk := r.read(1 << 20):
+                    f.write(chunk)
+                    self.size += len(chunk)
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            self.error = f"{type(e).__name__}: {e}"
+
+    def end(self):
+        """Waits for the trace to end; its report entry."""
+        self.thread.join(self.seconds + 90)
+        if self.error or self.thread.is_alive():
+            raise SystemExit(f"ttft-bench: --daemon-trace: {self.error or 'the trace did not end'} ({self.url})")
+        return {"file": self.path, "bytes": self.size, "seconds": self.seconds}
 
 
 def settle_reading(text):
@@ -598,11 +642,14 @@ class Bench:
             del src, dst
             record("h2d", reps, [True], [], {"bytes": self.cfg.kv_bytes(p)})
 
-        def load_mode(mode, run):
+        def load_mode(mode, run, trace=None):
             """Times run(failures) -> (logits, tokens loaded) from poisoned
-            prefix blocks, checking each repetition."""
+            prefix blocks, checking each repetition; trace (a DaemonTrace)
+            runs from the first timed one."""
             reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
-            for _ in range(a.warmup + a.reps):
+            for i in range(a.warmup + a.reps):
+                if trace and i == a.warmup:
+                    trace.start()
                 self.poison(p)
                 if a.cold:
                     dropped.append(drop_page_cache(self.cold_state))
@@ -617,7 +664,13 @@ class Bench:
                 if not self.loaded_equal(k, ref_kv):
                     failures.append(f"loaded blocks differ from the recomputation's ({k} tokens)")
                 self._check(logits, ref, oks, errs, failures)
-            record(mode, reps, oks, errs, {"loaded_tokens": loaded[-1], "loaded_tokens_reps": loaded[a.warmup:],
+            if trace:
+                extra = {"daemon_trace": trace.end()}
+                print(f"trace P {p} mode {mode} file {extra['daemon_trace']['file']} "
+                      f"bytes {extra['daemon_trace']['bytes']} seconds {a.daemon_trace_seconds:g}", flush=True)
+            else:
+                extra = {}
+            record(mode, reps, oks, errs, {**extra, "loaded_tokens": loaded[-1], "loaded_tokens_reps": loaded[a.warmup:],
                                            "loaded_bytes_reps": nbytes[a.warmup:],
                                            "logits_equal_suffix_ceiling": as_suffix,
                                            "page_cache_dropped": dropped})
@@ -644,7 +697,9 @@ class Bench:
                     if look:
                         look.idle()
                         look.start()
-                    load_mode("layerwise", lambda f: conn.request(sched, p, tokens, f))
+                    trace = DaemonTrace(self.metrics, a.daemon_trace, a.daemon_trace_seconds) \
+                        if a.daemon_trace and p == max(a.sizes) else None
+                    load_mode("layerwise", lambda f: conn.request(sched, p, tokens, f), trace)
                     # At least --lookups samples beside loads: more
                     # layer-wise requests (untimed) while the count is short.
                     extra = 0
@@ -1268,6 +1323,8 @@ def main(argv=None):
                 sk.bind(("127.0.0.1", 0))
                 metrics = f"127.0.0.1:{sk.getsockname()[1]}"
             a.daemon_toml += f'\\n[metrics]\\nlisten = "{metrics}"\\n'
+            if a.daemon_trace:
+                a.daemon_toml += 'profiling = true\\n'
         os.environ["KVHOST_BIN"] = a.kvhost_bin
         kv = sum(Config(layers=a.layers, kv_heads=a.kv_heads, head_dim=a.head_dim).kv_bytes(p) for p in a.sizes)
         os.makedirs(a.dir, exist_ok=True)

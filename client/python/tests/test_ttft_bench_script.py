@@ -180,6 +180,38 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(lines["llmd"].group(6), "True", out.stdout)
         self.assertEqual(data["sizes"]["64"]["modes"]["llmd"]["loaded_tokens"], 64)
 
+    def test_daemon_trace_takes_an_execution_trace_of_the_layer_wise_loads(self):
+        tmp = tempfile.mkdtemp(prefix="kvhost-ttft-trace-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        path = os.path.join(tmp, "daemon.trace")
+        out, lines, data = self.bench("--modes", "suffix,layerwise", "--lookups", "0", "--daemon-trace", path,
+                                      "--daemon-trace-seconds", "1")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertEqual(sorted(lines), ["layerwise", "recompute", "suffix"], out.stdout)
+        self.assertIn(f"trace P 64 mode layerwise file {path} bytes ", out.stdout)
+        entry = data["sizes"]["64"]["modes"]["layerwise"]["daemon_trace"]
+        self.assertEqual((entry["file"], entry["seconds"]), (path, 1.0))
+        with open(path, "rb") as f:
+            head = f.read(16)
+        self.assertTrue(head.startswith(b"go 1."), f"not a Go execution trace: {head!r}")
+        self.assertEqual(entry["bytes"], os.path.getsize(path))
+        if shutil.which("go"):  # the layer-wise jobs are its load tasks, one layer each
+            got = subprocess.run([sys.executable, str(REPO / "scripts" / "trace-regions.py"), path],
+                                 capture_output=True, text=True, timeout=120)
+            self.assertEqual(got.returncode, 0, got.stderr)
+            self.assertRegex(got.stdout, r"(?m)^task load layers \[0, 1\) n \d+")
+            self.assertRegex(got.stdout, r"(?m)^region load: read n \d+")
+
+    def test_daemon_trace_needs_a_daemon_started_here_and_the_layer_wise_mode(self):
+        for args, why in [(["--socket", "/nonexistent", "--dir", ""], "a daemon started here"),
+                          (["--modes", "suffix"], "add it to --modes")]:
+            with self.subTest(why):
+                out = subprocess.run([sys.executable, str(REPO / "scripts" / "ttft-bench.py"), "--dir", "/nonexistent",
+                                      *TINY, "--daemon-trace", "/nonexistent/t", *args],
+                                     capture_output=True, text=True, timeout=120)
+                self.assertEqual(out.returncode, 2, out.stdout + out.stderr)
+                self.assertIn(why, out.stderr)
+
     def test_a_corrupted_stored_file_fails_the_run_instead_of_passing(self):
         out, lines, data = self.bench("--corrupt-stored", "--modes", "recompute,whole,layerwise")
         self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
