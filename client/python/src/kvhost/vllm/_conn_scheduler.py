@@ -201,13 +201,16 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         """The connection for a request made in a vLLM call: None where
         none is usable, or while the daemon leaves one unanswered; a pin
         sent daemon_wait_s ago and still unanswered is found here."""
-        q = self._unanswered_pins
-        while q and q[0][1].answered():
-            q.popleft()
-        if q and time.monotonic() - q[0][1].sent > self._opts["daemon_wait_s"]:
-            client = q[0][0]
-            q.clear()
-            self._timed_out(client, TimeoutError(f"a pin unanswered after {self._opts['daemon_wait_s']:g}s"))
+        stale = None
+        with self._lock:  # (a lost connection clears the queue from another thread)
+            q = self._unanswered_pins
+            while q and q[0][1].answered():
+                q.popleft()
+            if q and time.monotonic() - q[0][1].sent > self._opts["daemon_wait_s"]:
+                stale = q[0][0]
+                q.clear()
+        if stale is not None:
+            self._timed_out(stale, TimeoutError(f"a pin unanswered after {self._opts['daemon_wait_s']:g}s"))
         return None if self._unanswered else self._usable()
 
     def _timed_out(self, client, e):
@@ -303,7 +306,8 @@ class ConnectorScheduler(SchedulerLookups, _Half):
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
                     pin = client.pin_later(ns, keys[i:i + p.MAX_KEYS_PER_REQUEST], self._opts["pin_lease_s"])
                     self._step_pins.append(pin)
-                    self._unanswered_pins.append((client, pin))
+                    with self._lock:
+                        self._unanswered_pins.append((client, pin))
         except Exception as e:  # the load finds out: its blocks are recomputed
             self._pin_failed(client, e)
 
