@@ -14,10 +14,14 @@ layer-range load logs its range, "layers [F, E)"), its phases regions
 file's ("load: open", "load: read", "load: verify"; in the GPU mover's
 registered-file path "gpu: enqueue", "gpu: copy wait", "gpu: checksum").
 One line per task type, per task type and logged range, and per region
-type:
+type; a task's line is followed by one of its tasks' first read, from
+the task's start to the earliest end of its `load: read` regions (its first file's
+bytes in place):
 
     task load n 120 p50_us 5012 p90_us 11230 p99_us 19506 max_us 19506
+    task load first_read n 120 p50_us 402 ...
     task load layers [0, 1) n 12 p50_us 5117 ...
+    task load layers [0, 1) first_read n 12 p50_us 380 ...
     region load: read n 15120 p50_us 1190 ...
 """
 
@@ -27,15 +31,19 @@ import re
 import subprocess
 import sys
 
+FIRST_READ = "load: read"  # the region whose earliest end is a task's first read
+
 EVENT = re.compile(r'\bG=(-?\d+) (TaskBegin|TaskEnd|RegionBegin|RegionEnd|Log) Time=(\d+) (?:ID|Task)=(\d+)'
                    r'.*?(?:Type|Message)="([^"]*)"')
 
 
 def durations(lines):
     """(task durations by type, by (type, logged message), region durations
-    by type), in nanoseconds, from `go tool trace -d=parsed` lines."""
-    tasks, logs = {}, {}  # task id -> (type, begin); task id -> its first log
-    by_task, by_log, regions = (collections.defaultdict(list) for _ in range(3))
+    by type, and first reads: by type and by (type, message), each task's
+    start to the earliest end of its FIRST_READ regions), in nanoseconds, from
+    `go tool trace -d=parsed` lines."""
+    tasks, logs, first = {}, {}, {}  # task id -> (type, begin); its first log; its first read's end
+    by_task, by_log, regions, first_task, first_log = (collections.defaultdict(list) for _ in range(5))
     stacks = collections.defaultdict(list)  # goroutine -> its open regions, (type, begin)
     for line in lines:
         m = EVENT.search(line)
@@ -49,8 +57,13 @@ def durations(lines):
         elif kind == "TaskEnd" and ident in tasks:
             typ, begin = tasks.pop(ident)
             by_task[typ].append(t - begin)
-            if ident in logs:
-                by_log[(typ, logs.pop(ident))].append(t - begin)
+            msg = logs.pop(ident, None)
+            if msg is not None:
+                by_log[(typ, msg)].append(t - begin)
+            if ident in first:
+                first_task[typ].append(first.pop(ident) - begin)
+                if msg is not None:
+                    first_log[(typ, msg)].append(first_task[typ][-1])
         elif kind == "RegionBegin":
             stacks[g].append((name, t))
         elif kind == "RegionEnd":
@@ -61,7 +74,9 @@ def durations(lines):
                     regions[name].append(t - stack[i][1])
                     del stack[i]
                     break
-    return by_task, by_log, regions
+            if name == FIRST_READ and ident in tasks:
+                first[ident] = min(first.get(ident, t), t)
+    return by_task, by_log, regions, first_task, first_log
 
 
 def quantiles(ns):
@@ -71,11 +86,15 @@ def quantiles(ns):
 
 
 def report(lines, out=sys.stdout):
-    by_task, by_log, regions = durations(lines)
+    by_task, by_log, regions, first_task, first_log = durations(lines)
     for typ in sorted(by_task):
         print(f"task {typ} {quantiles(by_task[typ])}", file=out)
+        if first_task[typ]:
+            print(f"task {typ} first_read {quantiles(first_task[typ])}", file=out)
     for (typ, msg) in sorted(by_log, key=lambda k: (k[0], [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k[1])])):
         print(f"task {typ} {msg} {quantiles(by_log[(typ, msg)])}", file=out)
+        if first_log[(typ, msg)]:
+            print(f"task {typ} {msg} first_read {quantiles(first_log[(typ, msg)])}", file=out)
     for name in sorted(regions):
         print(f"region {name} {quantiles(regions[name])}", file=out)
     return bool(by_task or regions)

@@ -46,7 +46,10 @@ class TestTraceRegions(unittest.TestCase):
         self.assertTrue(tr.report(PARSED.splitlines(), out))
         self.assertEqual(out.getvalue().splitlines(), [
             "task load n 2 p50_us 40 p90_us 40 p99_us 40 max_us 40",
+            # Task 1's first read ended at 4,500 ns (goroutine 9's): 3.5 µs after its start.
+            "task load first_read n 1 p50_us 4 p90_us 4 p99_us 4 max_us 4",
             "task load layers [0, 1) n 1 p50_us 20 p90_us 20 p99_us 20 max_us 20",
+            "task load layers [0, 1) first_read n 1 p50_us 4 p90_us 4 p99_us 4 max_us 4",
             "region gpu: copy wait n 1 p50_us 4 p90_us 4 p99_us 4 max_us 4",
             "region load: read n 2 p50_us 10 p90_us 10 p99_us 10 max_us 10",
         ])
