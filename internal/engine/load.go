@@ -92,7 +92,9 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	pinning.End()
 
 	// The cache's earlier loads take their file slots first (loadOrder).
-	trace.WithRegion(ctx, "load: turn", func() { turn.wait(ctx) })
+	waiting := trace.StartRegion(ctx, "load: turn")
+	turn.wait(ctx)
+	waiting.End()
 	slots := trace.StartRegion(ctx, "load: file slots")
 	var wg sync.WaitGroup
 	failAll := func(idx []int, err error) {
@@ -152,7 +154,9 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	}
 	turn.done() // every file has its slot: the cache's next load may take slots
 	slots.End()
-	trace.WithRegion(ctx, "load: files", wg.Wait)
+	files := trace.StartRegion(ctx, "load: files")
+	wg.Wait()
+	files.End()
 
 	// Unpin; loaded entries count as hits. A layer-wise load of a key
 	// is one job per group of layers: only the group that starts at
@@ -188,13 +192,9 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	// gone from its path as much as one removed. Nor waiting on a named
 	// pipe put at the name (checkOpen; openData). A file its client
 	// pins hold open is read there (openLoad).
-	var (
-		f     fsys.File
-		id    fsys.Identity
-		idErr error
-		err   error
-	)
-	trace.WithRegion(ctx, "load: open", func() { f, id, idErr, err = e.chk.openLoad(m, en, buffered) })
+	opening := trace.StartRegion(ctx, "load: open")
+	f, id, idErr, err := e.chk.openLoad(m, en, buffered)
+	opening.End()
 	if err != nil {
 		all(e.shared.vanished(ctx, en, err))
 		return
@@ -319,7 +319,9 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if check {
 		sums = make([]uint32, plan.Sums)
 	}
-	trace.WithRegion(ctx, "load: read", func() { err = readPlan(ctx, mv, f, plan, sk, sums, &e.busy.io) })
+	reading := trace.StartRegion(ctx, "load: read")
+	err = readPlan(ctx, mv, f, plan, sk, sums, &e.busy.io)
+	reading.End()
 	if err != nil {
 		ok := true
 		if isShort(err) {
@@ -344,7 +346,9 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	var errs []error // file key -> why it failed; nil: all verified
 	bad := false
 	if check {
-		trace.WithRegion(ctx, "load: verify", func() { errs, bad = verifyRead(ctx, f, h, sk, sums, read, en.Path) })
+		verifying := trace.StartRegion(ctx, "load: verify")
+		errs, bad = verifyRead(ctx, f, h, sk, sums, read, en.Path)
+		verifying.End()
 	}
 	for _, k := range read {
 		if errs != nil && errs[k] != nil {

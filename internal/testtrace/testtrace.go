@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime/trace"
+	"slices"
 	"testing"
 )
 
@@ -70,7 +71,7 @@ func Regions(evs []Event, task string) (names []string, ended bool) {
 		}
 		switch e.Kind {
 		case "RegionBegin":
-			if open[e.Name] == 0 && !contains(names, e.Name) {
+			if !slices.Contains(names, e.Name) {
 				names = append(names, e.Name)
 			}
 			open[e.Name]++
@@ -84,13 +85,4 @@ func Regions(evs []Event, task string) (names []string, ended bool) {
 		}
 	}
 	return names, true
-}
-
-func contains(xs []string, x string) bool {
-	for _, y := range xs {
-		if y == x {
-			return true
-		}
-	}
-	return false
 }
