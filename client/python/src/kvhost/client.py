@@ -455,7 +455,6 @@ class Client(_Connection):
         (KvhostError, code "invalid argument", naming the range)."""
         if layers is None:
             return self._job(p.T_LOAD, p.transfer(cache, keys, blocks, load=True), block, len(keys))
-        p.layer_range(layers)  # a bad range raises before the keys are packed
         return self.load_prepared(self.prepare_load(cache, keys, blocks), layers, block)
 
     def prepare_load(self, cache, keys, blocks):

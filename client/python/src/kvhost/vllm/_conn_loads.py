@@ -121,8 +121,6 @@ class ConnectorLoads:
             packed[name] = self._pack_loads(client, name, loads, ranged)
         for prepared, blocks, owners in packed[name]:
             try:
-                if isinstance(prepared, Exception):
-                    raise prepared
                 if ranged:
                     job = client.load_prepared(prepared, (first, count), block=False)
                 else:
@@ -139,9 +137,9 @@ class ConnectorLoads:
     def _pack_loads(self, client, name, loads, ranged):
         """The requests of loads (all of name), at most MAX_KEYS_PER_REQUEST
         keys each: (the request packed by prepare_load where ranged, else
-        load's arguments, or the error packing raised; its blocks; its
-        requests' ids). [] where the worker has no cache of name's salt
-        namespace (its blocks are load errors)."""
+        load's arguments; its blocks; its requests' ids). A request that
+        cannot be packed, and every request where the worker has no cache
+        of name's salt namespace, is left out: its blocks are load errors."""
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
         owners = [t.req_id for t in loads for _ in t.keys]
@@ -158,8 +156,10 @@ class ConnectorLoads:
             if ranged:
                 try:
                     prepared = client.prepare_load(*prepared)
-                except ValueError as e:  # each layer group's job reports it
-                    prepared = e
+                except ValueError as e:
+                    log.warning("kvhost connector: load of %d keys: %s", len(keys[sl]), e)
+                    self._fail(blocks[sl])
+                    continue
             out.append((prepared, blocks[sl], frozenset(owners[sl])))
         return out
 
