@@ -141,7 +141,9 @@ def parse_args(argv=None):
                     help="the started daemon's engine.io_workers: files in flight (0: its default, the CPUs)")
     ap.add_argument("--register-files", type=int, default=None,
                     help="the daemon's gpu.register_files (0: no file registered with CUDA, as after a restart "
-                         "or for another engine's files; default: the daemon's)")
+                         "or for another engine's files; default: the daemon's). The daemon wrote the files, so its "
+                         "loads do not sum them again: add --mount-toml 'checksum_every_load = true' for the first "
+                         "loads of a restarted daemon, which verify every byte")
     ap.add_argument("--daemon-toml", default="",
                     help="more of the daemon's TOML configuration, before its [[mount]] (e.g. '[gpu]\\nchecksum_on = \"gpu\"')")
     ap.add_argument("--daemon-trace", metavar="FILE",

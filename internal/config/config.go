@@ -428,6 +428,10 @@ type Mount struct {
 	// Checksum, if set to false, turns payload checksums off on the mount
 	// (default true).
 	Checksum *bool `toml:"checksum"`
+	// ChecksumEveryLoad, on a memory file system, verifies every load's
+	// checksums, even where the file has not changed since this daemon
+	// wrote or verified it (default false: those are not summed again).
+	ChecksumEveryLoad bool `toml:"checksum_every_load"`
 	// LoadReaders is the most files loads read at once from the mount,
 	// on a file system other than memory: 0 (the default) tunes it by
 	// measured throughput between 1 and engine.io_workers; a number

@@ -25,7 +25,7 @@ func EngineMounts(ctx context.Context, cfg config.Config, statfs func(string) (f
 		}
 		mounts[i] = engine.Mount{
 			Path: m.Path, Capacity: capacity, CapacityDerived: m.Capacity == 0, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
-			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), LoadReaders: m.LoadReaders, DeviceClass: m.DeviceClass,
+			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), ChecksumEveryLoad: m.ChecksumEveryLoad, LoadReaders: m.LoadReaders, DeviceClass: m.DeviceClass,
 			Preallocate:     EnginePreallocate(m.Preallocate),
 			ClusterCapacity: int64(m.ClusterCapacity), ClusterInterval: time.Duration(m.ClusterInterval),
 		}

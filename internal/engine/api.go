@@ -118,6 +118,11 @@ type Mount struct {
 	// NoChecksum turns payload checksums off on this mount (files are
 	// flagged unchecked), as Config.NoChecksum does for every mount.
 	NoChecksum bool
+	// ChecksumEveryLoad verifies every load's checksums on a memory file
+	// system. By default a load there takes the layers this engine wrote
+	// (and summed) or verified as verified while the file's ctime has not
+	// changed since (checked.go).
+	ChecksumEveryLoad bool
 	// LoadReaders bounds the files loads read at once from the mount, on
 	// a file system other than memory (package iotune): 0 tunes the
 	// bound by measured throughput between 1 and Config.IOWorkers; a
@@ -633,6 +638,10 @@ type Stats struct {
 	// files without layer sums: their other layers were read too (the
 	// slow way; BytesRead counts those bytes).
 	LayerLoadsByKey uint64
+	// LoadKeysCheckedBefore counts the keys loads from a memory mount
+	// moved without summing them again: layers this engine wrote or
+	// verified, the file unchanged since (Mount.ChecksumEveryLoad).
+	LoadKeysCheckedBefore uint64
 	// PinnedFilesOpen is the files held open now for client pins, where
 	// another engine sharing the directory may remove them (a cluster
 	// mount's other nodes' files; every file of a shared network file

@@ -131,6 +131,9 @@ type counters struct {
 	// layersByKey counts the keys of layer-range loads verified by the
 	// whole key's checksum (files without layer sums): Stats.LayerLoadsByKey.
 	layersByKey atomic.Uint64
+	// checkedBefore counts the keys loads took as verified, unchanged
+	// since checked (checked.go): Stats.LoadKeysCheckedBefore.
+	checkedBefore atomic.Uint64
 
 	// pathWaits counts the times a store waited for another job holding
 	// its file's path; evictWaits, the reservations that found no room
@@ -358,7 +361,7 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.rm.vanished.Load(), RemoveFailures: e.rm.failures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
-		LayerLoadsByKey: e.st.layersByKey.Load(),
+		LayerLoadsByKey: e.st.layersByKey.Load(), LoadKeysCheckedBefore: e.st.checkedBefore.Load(),
 		PinnedFilesOpen: e.pinTab.open.Load(), PinnedFilesUnopened: e.pinTab.unopened.Load(),
 		StoreFailures: e.st.fails.stats(0), LoadFailures: e.st.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}

@@ -241,6 +241,12 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		all(OutcomeFailed, err)
 		return
 	}
+	// The file's identity at its open, where a load may rely on layers
+	// verified before (checked.go): none where the fstat failed.
+	var known fsys.Identity
+	if idErr == nil {
+		known = id
+	}
 	// The destinations of each key of the file, in request order. A key
 	// asked twice (into different blocks) is read once per destination:
 	// round r reads the r-th destination of every key asked r+1 times.
@@ -266,7 +272,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		if len(read) == 0 {
 			return // nothing (more) asked of this file
 		}
-		if !e.loadRound(ctx, j, c, blocks, lr, en, f, h, m, dst, read, corrupt) {
+		if !e.loadRound(ctx, j, c, blocks, lr, en, f, h, m, known, dst, read, corrupt) {
 			// The file was judged corrupt: later destinations fail alike,
 			// unread. A key that verified in this round loaded into
 			// this round's blocks only: its later destinations fail.
@@ -287,13 +293,17 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 // loadRound reads the layers lr of the file keys read of f into the
 // blocks of the request indices dst[k], verifies them and sets their
 // outcomes. It reports false if the file was found corrupt (the caller
-// stops).
+// stops). id is the file's identity at its open (zero if unknown).
 //
 // A key is verified by its layers' checksums where the file has them
 // (format.Header.LayerSums) and lr is not every layer: only lr's bytes
 // are read. Otherwise by the key's checksum, over the whole key: its
 // bytes not loaded (NoBlock blocks, layers outside lr) are read for it.
-func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, lr LayerRange, en *entry, f fsys.File, h *format.Header, m *mount, dst []int, read []int, corrupt func(error)) bool {
+//
+// On a memory mount, layers the engine wrote or verified at the file's
+// present ctime are not summed again (checkedBefore): the load checks
+// instead that the ctime did not move while it read.
+func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, lr LayerRange, en *entry, f fsys.File, h *format.Header, m *mount, id fsys.Identity, dst []int, read []int, corrupt func(error)) bool {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	want := make([]bool, len(h.Keys))
 	for _, k := range read {
@@ -307,6 +317,11 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return true
 	}
 	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums && mv.Checksums()
+	trusted := check && checkedBefore(m, en, h, id, read, lr)
+	if trusted {
+		check = false
+		e.st.checkedBefore.Add(uint64(len(read)))
+	}
 	by := verifyNone
 	switch {
 	case check && !lr.all() && h.LayerSums != nil:
@@ -337,6 +352,13 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return ok
 	}
+	if trusted && !unchangedSince(f, id) {
+		en.Checked.Store(nil)
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: changed while it was read (its ctime moved), its bytes not verified", en.Path, errReplaced))
+		}
+		return false
+	}
 	if e.shared.rewritten(ctx, en, m, f, h) {
 		for _, k := range read {
 			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.Path, errReplaced))
@@ -360,6 +382,13 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}
 	if bad {
 		corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
+	} else if check && errs == nil {
+		// Every key read verified: by its layers' sums, or whole.
+		marked := lr
+		if by == verifyKeys {
+			marked = LayerRange{}
+		}
+		markChecked(m, en, h, id.Ctime, read, marked)
 	}
 	return !bad
 }

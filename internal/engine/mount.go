@@ -32,6 +32,9 @@ type mount struct {
 	// mountFS is what Open found of the mount's file system.
 	mountFS
 	checksums bool // payload checksums on this mount (Mount.NoChecksum, the mover)
+	// checkEvery: every load verifies its checksums, even of layers
+	// checked before (Mount.ChecksumEveryLoad).
+	checkEvery bool
 	// readers bounds the files loads read at once from the mount
 	// (Mount.LoadReaders); nil on a memory file system, whose loads
 	// are bounded by the file slots only.
@@ -249,7 +252,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	mt := &mount{
-		idx: i, root: root, linkFree: root, realLinkFree: realRoot, mountFS: mountFS{memory: isMemoryFS(st.Type)}, checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+		idx: i, root: root, linkFree: root, realLinkFree: realRoot, mountFS: mountFS{memory: isMemoryFS(st.Type)}, checksums: !m.NoChecksum && !e.cfg.NoChecksum, checkEvery: m.ChecksumEveryLoad,
 		sp: space.NewMount(space.MountConfig{Index: i, Root: root, Configured: m.Capacity, Derived: m.CapacityDerived, Reserve: m.Reserve, High: high, Low: low, Ahead: m.Preallocate}, st),
 	}
 	if st.ReadOnly {

@@ -22,8 +22,8 @@ type keyRef struct {
 
 // Entry is one published file, or a spare or temporary file left on disk
 // (spare). Fields
-// other than pins, leases, hits, last, gone, orphan, retryAt, verified
-// and removeFailed are immutable after it is indexed.
+// other than pins, leases, hits, last, gone, orphan, retryAt, verified,
+// checked and removeFailed are immutable after it is indexed.
 type Entry struct {
 	ID    uint64
 	NS    uint32 // the engine's NamespaceID
@@ -36,6 +36,9 @@ type Entry struct {
 	FID   uint64        // the header's file id (0: written before ids)
 	// verified is when the file was last checked (Unix nanoseconds).
 	Verified atomic.Int64
+	// Checked is what of the file's payload is known to match its
+	// checksums, and at which ctime (nil: nothing).
+	Checked atomic.Pointer[Checked]
 	// removeFailed: a removal of the file failed (disposeIfSame), which
 	// counted in Stats.RemoveFailures; later failures are retries.
 	RemoveFailed atomic.Bool

@@ -1,0 +1,195 @@
+//go:build invariants
+
+package engine
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"testing"
+
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+	"golang.org/x/sys/unix"
+)
+
+// memoryMount returns a fresh directory on tmpfs; the tests of loads
+// verified once need a memory mount.
+func memoryMount(t *testing.T) string {
+	t.Helper()
+	d := shmDir(t)
+	if d == "" {
+		t.Fatal("no tmpfs at /dev/shm: the checked-before path runs on memory mounts only")
+	}
+	return d
+}
+
+// checkedLoad loads keys into into and reports how many keys the load
+// took as verified before (Stats.LoadKeysCheckedBefore's growth), after
+// requiring every key loaded with want's bytes.
+func checkedLoad(t *testing.T, e *Engine, c *testCache, keys [][]byte, into [][]int, lr LayerRange, want [][]byte) uint64 {
+	t.Helper()
+	before := e.Stats().LoadKeysCheckedBefore
+	for _, b := range into {
+		c.clear(b)
+	}
+	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: keys, Blocks: into, Layers: lr}))
+	wantOutcomes(t, "load", res, OutcomeLoaded)
+	if lr.all() {
+		for i, b := range into {
+			if !bytes.Equal(c.data(b), want[i]) {
+				t.Fatalf("key %q loaded other bytes than were stored", keys[i])
+			}
+		}
+	}
+	return e.Stats().LoadKeysCheckedBefore - before
+}
+
+// storeSome stores n keys of fresh random blocks in e's cache c and
+// returns the keys, the blocks and their bytes.
+func storeSome(t *testing.T, e *Engine, c *testCache, n int) (keys [][]byte, blocks [][]int, want [][]byte) {
+	t.Helper()
+	r := rand.New(rand.NewPCG(3, 5))
+	keys = testKeys("chk", n)
+	for i := range n {
+		b := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		c.fill(r, b)
+		blocks = append(blocks, b)
+		want = append(want, c.data(b))
+	}
+	storeAndCheck(t, e, c, keys, blocks)
+	return keys, blocks, want
+}
+
+func TestLoadsFromAMemoryMountSkipTheSumsOfWhatTheStoreSummedUnlessEveryLoadIsChecked(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		everyLoad bool
+		want      uint64 // keys taken as verified, per load
+	}{
+		{"by default", false, 4},
+		{"with checksum_every_load", true, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := openEngine(t, Config{Mounts: []Mount{{Path: memoryMount(t), ChecksumEveryLoad: tc.everyLoad}}, Policy: newTestPolicy(2, 0)})
+			_, c := declareSmall(t, e, 64)
+			keys, _, want := storeSome(t, e, c, 4)
+			into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}, {48, 49, 50, 51}, {52, 53, 54, 55}}
+			for load := range 2 {
+				if got := checkedLoad(t, e, c, keys, into, LayerRange{}, want); got != tc.want {
+					t.Errorf("load %d took %d keys as verified before, want %d", load, got, tc.want)
+				}
+			}
+		})
+	}
+}
+
+func TestAFileWrittenBehindTheEnginesBackIsVerifiedAgainAndFoundCorrupt(t *testing.T) {
+	e := openEngine(t, Config{Mounts: []Mount{{Path: memoryMount(t)}}, Policy: newTestPolicy(2, 0)})
+	ns, c := declareSmall(t, e, 64)
+	keys, _, want := storeSome(t, e, c, 2)
+	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
+	if got := checkedLoad(t, e, c, keys, into, LayerRange{}, want); got != 2 {
+		t.Fatalf("a load after the store took %d keys as verified, want 2", got)
+	}
+	en := e.find(e.tables.get(ns), keys[1])
+	if en == nil {
+		t.Fatal("the stored file is not indexed")
+	}
+	// One payload byte flipped by a writer that is not the engine.
+	f, err := os.OpenFile(en.Path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	off := en.Size - 100
+	b := []byte{0}
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	b[0] ^= 0xff
+	if _, err := f.WriteAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	before := e.Stats().LoadKeysCheckedBefore
+	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: keys, Blocks: into}))
+	corrupt := 0
+	for i, k := range res.Keys {
+		if k.Outcome == OutcomeFailed && errors.Is(k.Err, ErrCorrupt) {
+			corrupt++
+		} else if k.Outcome == OutcomeLoaded && !bytes.Equal(c.data(into[i]), want[i]) {
+			t.Errorf("key %d reported loaded with other bytes than were stored", i)
+		}
+	}
+	if corrupt == 0 {
+		t.Errorf("no key of the file written behind the engine's back failed as corrupt: %+v", res.Keys)
+	}
+	if got := e.Stats().LoadKeysCheckedBefore - before; got != 0 {
+		t.Errorf("the load took %d keys of the rewritten file as verified before, want 0", got)
+	}
+}
+
+func TestAFileFoundAtOpenIsVerifiedOncePerLayerRange(t *testing.T) {
+	dir := memoryMount(t)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
+	_, c := declareSmall(t, e, 64)
+	keys, _, want := storeSome(t, e, c, 2)
+	e.Close(context.Background())
+
+	// A new engine on the directory (a restart) trusts nothing it did not
+	// verify itself.
+	e2 := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
+	_, c2 := declareSmall(t, e2, 64)
+	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
+	for _, step := range []struct {
+		lr   LayerRange
+		want uint64
+	}{
+		{LayerRange{First: 0, Count: 2}, 0}, // verified now
+		{LayerRange{First: 0, Count: 2}, 2}, // verified before
+		{LayerRange{First: 1, Count: 2}, 0}, // layer 2 never verified
+		{LayerRange{First: 3, Count: 1}, 0},
+		{LayerRange{}, 2}, // every layer verified by now
+	} {
+		if got := checkedLoad(t, e2, c2, keys, into, step.lr, want); got != step.want {
+			t.Errorf("load of layers %v took %d keys as verified before, want %d", step.lr, got, step.want)
+		}
+	}
+}
+
+// touchingMover is a host mover that changes its file's ctime (chmod)
+// after each read, as a writer behind the engine's back would meanwhile.
+type touchingMover struct {
+	transfer.Mover
+}
+
+func (m touchingMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	n, err := m.Mover.ReadFile(ctx, f, p, sums)
+	if err == nil {
+		err = unix.Fchmod(int(f.Fd()), 0o600)
+	}
+	return n, err
+}
+
+func TestALoadThatTookItsBytesAsVerifiedFailsWhereTheFileChangedWhileItRead(t *testing.T) {
+	e := openEngine(t, Config{Mounts: []Mount{{Path: memoryMount(t)}}, Policy: newTestPolicy(2, 0)})
+	_, c := declareSmall(t, e, 64)
+	keys, _, want := storeSome(t, e, c, 2)
+	m := e.mounts[0]
+	host := m.movers[region.KindHost]
+	m.movers[region.KindHost] = touchingMover{host}
+	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
+	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: keys, Blocks: into}))
+	wantOutcomes(t, "a load whose file's ctime moved while it read", res, OutcomeFailed)
+	// Its bytes are unchanged: the next load verifies them, then trusts.
+	m.movers[region.KindHost] = host
+	if got := checkedLoad(t, e, c, keys, into, LayerRange{}, want); got != 0 {
+		t.Errorf("the load after the change took %d keys as verified before, want 0", got)
+	}
+	if got := checkedLoad(t, e, c, keys, into, LayerRange{}, want); got != 2 {
+		t.Errorf("the load after it took %d keys as verified before, want 2", got)
+	}
+}
