@@ -106,15 +106,18 @@ def main(argv=None):
     ap.add_argument("--parsed", help="`go tool trace -d=parsed`'s output instead (- for stdin)")
     a = ap.parse_args(argv)
     if a.parsed:
-        lines = sys.stdin if a.parsed == "-" else open(a.parsed)
+        found = report(sys.stdin if a.parsed == "-" else open(a.parsed))
     elif a.trace:
-        p = subprocess.run(["go", "tool", "trace", "-d=parsed", a.trace], capture_output=True, text=True)
+        # Streamed: a second of a busy daemon's trace parses to gigabytes.
+        with subprocess.Popen(["go", "tool", "trace", "-d=parsed", a.trace], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as p:
+            found = report(p.stdout)
+            err = p.stderr.read()
         if p.returncode != 0:
-            sys.exit(f"trace-regions: go tool trace -d=parsed {a.trace}: {p.stderr.strip()}")
-        lines = p.stdout.splitlines()
+            sys.exit(f"trace-regions: go tool trace -d=parsed {a.trace}: {err.strip()}")
     else:
         ap.error("name a trace, or --parsed FILE")
-    if not report(lines):
+    if not found:
         sys.exit("trace-regions: no task or region in the trace (taken while no load ran?)")
 
 

@@ -6,7 +6,7 @@ import (
 	"github.com/kvhost/kvhost/internal/format"
 )
 
-// Loads verified once (docs/engine.md, "Checksums"; RATIONALE: "Why does
+// Loads verified once (docs/engine.md, "The load path"; RATIONALE: "Why does
 // a load from a memory mount not sum again what was verified?").
 //
 // A file on a memory file system is RAM: its bytes change only when
