@@ -176,6 +176,10 @@ def parse_args(argv=None):
     ap.add_argument("--llmd-threads", type=int, default=16, help="llm-d engine I/O threads")
     ap.add_argument("--device", default="cuda", help="torch device (cpu: tests)")
     ap.add_argument("--tokens-per-key", type=int, default=256, help="tokens per kvhost key (and llm-d file)")
+    ap.add_argument("--blocks", default="random", choices=("random", "sequential"),
+                    help="the request's block ids: a random permutation (the default: a paged cache after "
+                         "churn; every block its own copy) or in order (a fresh engine's; a key's blocks are "
+                         "adjacent in each layer, which the daemon copies at once)")
     ap.add_argument("--layers-per-load", type=int, default=4, help="layers per layer-wise load job")
     ap.add_argument("--layer-groups", default="ramp", choices=("ramp", "even"),
                     help="the connector's layer_groups: ramp (first and last jobs one layer) or even")
@@ -465,7 +469,9 @@ class Bench:
         g = torch.Generator().manual_seed(a.seed + 1)
         # The request's blocks: a permutation, as a paged cache hands them
         # out, of every block but 0 (vLLM's null block, never a request's).
-        self.table = (torch.randperm(self.num_blocks - 1, generator=g) + 1).to(self.dev)
+        order = torch.randperm(self.num_blocks - 1, generator=g) if a.blocks == "random" else \
+            torch.arange(self.num_blocks - 1)
+        self.table = (order + 1).to(self.dev)
         self.table_list = self.table.tolist()
         geometry = kvhost.Geometry(
             model=f"ttft-bench/random-llama-{a.layers}x{a.hidden}-seed{a.seed}{model_suffix(a)}", layers=a.layers,
@@ -1349,7 +1355,7 @@ def main(argv=None):
                   f"{f'; even layers a sliding window of {a.window} tokens' if a.window else ''}; "
                   f"attention: {bench.model.attention.kind}; "
                   f"rms_norm: {bench.model.norm_kind}; layerwise: {layerwise}; "
-                  f"reps {a.reps} (ms = median) after {a.warmup} warm-up; cold {a.cold}", flush=True)
+                  f"reps {a.reps} (ms = median) after {a.warmup} warm-up; cold {a.cold}; blocks {a.blocks}", flush=True)
             bench.report.update(machine=machine(a, bench), args=vars(a), layer_loads=bench.layer_loads,
                                 tolerance={"rel_l2": TOL}, statistic="median and best of reps")
             # As vLLM's engine core and GPU workers do once started
