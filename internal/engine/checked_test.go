@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
-	"os"
 	"testing"
 
 	"github.com/kvhost/kvhost/fsys"
@@ -15,17 +14,6 @@ import (
 	"github.com/kvhost/kvhost/transfer"
 	"golang.org/x/sys/unix"
 )
-
-// memoryMount returns a fresh directory on tmpfs; the tests of loads
-// verified once need a memory mount.
-func memoryMount(t *testing.T) string {
-	t.Helper()
-	d := shmDir(t)
-	if d == "" {
-		t.Fatal("no tmpfs at /dev/shm: the checked-before path runs on memory mounts only")
-	}
-	return d
-}
 
 // checkedLoad loads keys into into and reports how many keys the load
 // took as verified before (Stats.LoadKeysCheckedBefore's growth), after
@@ -74,7 +62,7 @@ func TestLoadsFromAMemoryMountSkipTheSumsOfWhatTheStoreSummedUnlessEveryLoadIsCh
 		{"with checksum_every_load", true, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			e := openEngine(t, Config{Mounts: []Mount{{Path: memoryMount(t), ChecksumEveryLoad: tc.everyLoad}}, Policy: newTestPolicy(2, 0)})
+			e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t), ChecksumEveryLoad: tc.everyLoad}}, Policy: newTestPolicy(2, 0)})
 			_, c := declareSmall(t, e, 64)
 			keys, _, want := storeSome(t, e, c, 4)
 			into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}, {48, 49, 50, 51}, {52, 53, 54, 55}}
@@ -88,7 +76,7 @@ func TestLoadsFromAMemoryMountSkipTheSumsOfWhatTheStoreSummedUnlessEveryLoadIsCh
 }
 
 func TestAFileWrittenBehindTheEnginesBackIsVerifiedAgainAndFoundCorrupt(t *testing.T) {
-	e := openEngine(t, Config{Mounts: []Mount{{Path: memoryMount(t)}}, Policy: newTestPolicy(2, 0)})
+	e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t)}}, Policy: newTestPolicy(2, 0)})
 	ns, c := declareSmall(t, e, 64)
 	keys, _, want := storeSome(t, e, c, 2)
 	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
@@ -100,20 +88,7 @@ func TestAFileWrittenBehindTheEnginesBackIsVerifiedAgainAndFoundCorrupt(t *testi
 		t.Fatal("the stored file is not indexed")
 	}
 	// One payload byte flipped by a writer that is not the engine.
-	f, err := os.OpenFile(en.Path, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	off := en.Size - 100
-	b := []byte{0}
-	if _, err := f.ReadAt(b, off); err != nil {
-		t.Fatal(err)
-	}
-	b[0] ^= 0xff
-	if _, err := f.WriteAt(b, off); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	flipByte(t, en.Path, en.Size-100)
 	before := e.Stats().LoadKeysCheckedBefore
 	res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: keys, Blocks: into}))
 	corrupt := 0
@@ -133,7 +108,7 @@ func TestAFileWrittenBehindTheEnginesBackIsVerifiedAgainAndFoundCorrupt(t *testi
 }
 
 func TestAFileFoundAtOpenIsVerifiedOncePerLayerRange(t *testing.T) {
-	dir := memoryMount(t)
+	dir := tmpfsDir(t)
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
 	_, c := declareSmall(t, e, 64)
 	keys, _, want := storeSome(t, e, c, 2)
@@ -175,7 +150,7 @@ func (m touchingMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Pl
 }
 
 func TestALoadThatTookItsBytesAsVerifiedFailsWhereTheFileChangedWhileItRead(t *testing.T) {
-	e := openEngine(t, Config{Mounts: []Mount{{Path: memoryMount(t)}}, Policy: newTestPolicy(2, 0)})
+	e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t)}}, Policy: newTestPolicy(2, 0)})
 	_, c := declareSmall(t, e, 64)
 	keys, _, want := storeSome(t, e, c, 2)
 	m := e.mounts[0]

@@ -39,20 +39,7 @@ func TestARepeatedKeyOfACorruptFileIsNotReportedLoaded(t *testing.T) {
 	// Corrupt the second key's payload (block-major: after the first
 	// key's).
 	h := e.tables.get(ns).geo
-	f, err := os.OpenFile(en.Path, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	off := int64(format.Align) + h.KeyBytes() + 100
-	b := []byte{0}
-	if _, err := f.ReadAt(b, off); err != nil {
-		t.Fatal(err)
-	}
-	b[0] ^= 0xff
-	if _, err := f.WriteAt(b, off); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	flipByte(t, en.Path, int64(format.Align)+h.KeyBytes()+100)
 
 	req := [][]byte{keys[0], keys[1], keys[0]}
 	into := [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}, {16, 17, 18, 19}}
@@ -68,5 +55,24 @@ func TestARepeatedKeyOfACorruptFileIsNotReportedLoaded(t *testing.T) {
 		if k.Outcome == OutcomeLoaded && !bytes.Equal(c.data(into[i]), a) {
 			t.Errorf("destination %d of key %q reported loaded, but its blocks do not hold the key's bytes", i, req[i])
 		}
+	}
+}
+
+// flipByte inverts the byte at off of the file at path, as a writer
+// that is not the engine would.
+func flipByte(t *testing.T, path string, off int64) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := []byte{0}
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	b[0] ^= 0xff
+	if _, err := f.WriteAt(b, off); err != nil {
+		t.Fatal(err)
 	}
 }
