@@ -799,6 +799,26 @@ class TestAbandonedRequests(unittest.TestCase):
         d.join(60)
         self.assertEqual(frames[0][0], p.T_PIN)
 
+    def test_unpin_later_returns_before_the_reply_and_gives_the_keys_released_when_it_comes(self):
+        fake, c = connected_to_fake(self, timeout=5)
+        frames, reply = [], threading.Event()
+
+        def daemon():
+            frames.append(fake.read_frame())
+            reply.wait(60)
+            ftype, req_id, _ = frames[0]
+            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<I", 3))
+        d = threading.Thread(target=daemon)
+        d.start()
+        pending = c.unpin_later(42)  # unanswered yet: returns anyway
+        self.assertFalse(pending.answered())
+        reply.set()
+        self.assertEqual(pending.result(), 3)
+        self.assertTrue(pending.answered())
+        d.join(60)
+        self.assertEqual(frames[0][0], p.T_UNPIN)
+        self.assertEqual(struct.unpack("<Q", frames[0][2])[0], 42)
+
     def test_a_pin_later_given_up_is_unpinned_when_its_reply_comes(self):
         fake, c = connected_to_fake(self, timeout=5)
         got = {}

@@ -254,10 +254,11 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
     def test_after_a_frozen_daemon_the_claim_returns_to_the_whole_prefix(self):
         # A load the frozen daemon leaves unended for daemon_wait_s is
         # given up (vLLM recomputes its blocks): its bytes over the time
-        # the step had go into the rate, and the scheduler, whose pins the
-        # daemon did not answer either, claims nothing until it answers
-        # (one such measurement at the default load_rate_alpha would not
-        # shrink this claim by itself).
+        # the step had go into the rate, and the scheduler, whose unpins
+        # the daemon does not answer either, claims nothing once it finds
+        # them unanswered (daemon_wait_s after they were sent) until the
+        # daemon answers (one such measurement at the default
+        # load_rate_alpha would not shrink this claim by itself).
         # Once thawed: the claim is the whole prefix again, the rate
         # returns to the configured one (load_rate_recover_s), and the
         # whole prefix loads byte for byte.
@@ -278,7 +279,8 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
             self.assertTrue(out.invalid_block_ids, "the frozen daemon's load was not given up")
             self.assertEqual(sched.counters().get("load_measurements", 0), measured + 1,
                              "the given-up load's bytes over its time were not taken into the rate")
-            self.assertEqual(self.claim(sched, self.request("frozen", "kvc-freeze", self.NBLK)), 0)
+            d.wait_for(lambda: self.claim(sched, self.request("frozen", "kvc-freeze", self.NBLK)) == 0,
+                       what="the scheduler to find the unpins unanswered and claim nothing")
         finally:
             self.daemon.thaw()
         d.wait_for(lambda: self.claim(sched, self.request("c", "kvc-freeze", self.NBLK)) == self.WHOLE,

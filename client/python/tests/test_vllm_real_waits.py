@@ -371,6 +371,48 @@ class FrozenDaemonUnderTheKvConnector(rk.RealKvConnectorCase):
         self.assertEqual(self.rows(kv, others), pattern, "the resumed daemon wrote a block vLLM handed out")
         self.assertEqual(self.rows(kv, loaded), want, "the late load landed outside the blocks held for it")
 
+    def test_the_release_of_a_steps_pins_never_waits_on_a_frozen_daemon_and_a_later_call_finds_it_unanswered(self):
+        # vLLM's update_connector_output releases the pins of a step whose
+        # loads ended: the unpins are sent without waiting for their
+        # replies, and the first call daemon_wait_s after them finds them
+        # unanswered; nothing is claimed until the daemon answers again.
+        sched, worker, kv = self.engine(seed=15, load_split="all", daemon_wait_s=BOUND, reconnect_s=0.05)
+        nblk = 2 * rk.BPC + 1
+        self.save_prompt(sched, worker, self.request("a", "kvc-frozen-unpin", nblk), list(range(1, 1 + nblk)))
+        req = self.request("b", "kvc-frozen-unpin", nblk)
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        self.assertEqual(n, 2 * rk.BPC * rk.BLOCK)
+        dst = list(range(30, 30 + nblk))
+        sched.update_state_after_alloc(req, self.blocks(dst), n)
+        req.num_computed_tokens = n
+        so = self.output(new=[(req, dst)], scheduled={req.request_id: rk.BLOCK})
+        sending, errors, wm = rk.worker_step(worker, sched.build_connector_meta(so), so.finished_req_ids)
+        self.assertEqual(set(errors), set(), "the step's load failed")
+        out = self.outputs.KVConnectorOutput(finished_sending=sending, finished_recving=None,
+                                             invalid_block_ids=errors, kv_connector_worker_meta=wm)
+        self.daemon.freeze()
+        try:
+            _, took = timed("update_connector_output (the step's unpins), frozen daemon",
+                            lambda: sched.update_connector_output(out))
+            released = time.monotonic()
+            self.assertLess(took, MARGIN, "the unpins waited on the frozen daemon")
+            calls = []
+
+            def unclaimed():
+                got, took = timed("get_num_new_matched_tokens, frozen daemon, unpins unanswered",
+                                  lambda: sched.get_num_new_matched_tokens(self.request("c", "kvc-frozen-unpin", nblk), 0))
+                calls.append((time.monotonic() - released, took))
+                return got == (0, False)
+            d.wait_for(unclaimed, what="a call to find the unpins unanswered and claim nothing")
+            self.assertGreater(calls[-1][0], BOUND, "found unanswered before daemon_wait_s")
+            self.assertFalse(sched.counters()["answering"])
+            self.assertLess(max(took for _, took in calls), BOUND, "a call waited on the frozen daemon")
+        finally:
+            self.daemon.thaw()
+        d.wait_for(lambda: sched.counters()["answering"], what="the probe to find the daemon answering")
+        self.assertEqual(sched.get_num_new_matched_tokens(self.request("d", "kvc-frozen-unpin", nblk), 0),
+                         (2 * rk.BPC * rk.BLOCK, False))
+
     def test_the_schedulers_calls_never_wait_on_a_frozen_daemons_pin_and_find_it_unanswered(self):
         # The pin is sent without waiting for its reply: the scheduler's
         # call returns at once. The first call daemon_wait_s after it

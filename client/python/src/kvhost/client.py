@@ -82,6 +82,29 @@ class PendingPin:
         self._later.abandon()
 
 
+class PendingUnpin:
+    """An unpin sent, its reply not waited for yet (Client.unpin_later)."""
+    __slots__ = ("_later",)
+
+    def __init__(self, later):
+        self._later = later
+
+    @property
+    def sent(self):
+        """When the unpin was sent (time.monotonic())."""
+        return self._later.sent
+
+    def answered(self):
+        """Whether the daemon's reply came (or the connection ended)."""
+        return self._later.answered()
+
+    def result(self):
+        """How many keys the pin held, as Client.unpin returns, waited for
+        up to the connection's timeout; raises what unpin would."""
+        _, body = self._later.reply()
+        return struct.unpack_from("<I", body)[0]
+
+
 class Client(_Connection):
     """A connection to the kvhost daemon at path (a Unix socket; None means
     default_socket()). timeout (seconds; None: none) bounds each wait on
@@ -429,8 +452,14 @@ class Client(_Connection):
     def unpin(self, pin_id):
         """Releases a pin; returns how many keys it held (0 if it was
         released already or its lease ended)."""
-        _, body = self._call(p.T_UNPIN, p.pack("<Q", (pin_id,), ("pin",)))
-        return struct.unpack_from("<I", body)[0]
+        return self.unpin_later(pin_id).result()
+
+    def unpin_later(self, pin_id):
+        """unpin, sent without waiting for the daemon's reply: a
+        PendingUnpin whose result() is what unpin returns (for a caller
+        that need not know, such as a scheduler releasing a step's pins:
+        the daemon releases in the order it reads)."""
+        return PendingUnpin(self._call_later(p.T_UNPIN, p.pack("<Q", (pin_id,), ("pin",))))
 
     def store(self, cache, keys, blocks, block=True):
         """Starts storing keys[i] from cache blocks blocks[i]; returns a Job.

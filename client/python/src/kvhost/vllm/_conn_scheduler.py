@@ -56,9 +56,9 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         self._load_errors = {}                 # req id -> block ids of a claim that cannot load (reported failed)
         self._pins = {}                        # step -> (when, the pins its loads hold: ids, or PendingPins)
         self._step_pins = []
-        # The pins sent whose replies have not come, in the order sent, each
-        # with its connection (_pin, _ask).
-        self._unanswered_pins = collections.deque()
+        # The pins and unpins sent whose replies have not come, in the
+        # order sent, each with its connection (_pin, _unpin, _ask).
+        self._unreplied = collections.deque()
         self._steps = 0                        # steps built
         self._work = {}                        # step -> its requests' (total, cached) tokens, for the prefill model
         self._stats = collections.Counter()
@@ -194,23 +194,24 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         the next one (where they may name pins of its own)."""
         self._pins.clear()
         self._step_pins = []
-        self._unanswered_pins.clear()
+        self._unreplied.clear()
         self._unpin_later = []
 
     def _ask(self):
         """The connection for a request made in a vLLM call: None where
         none is usable, or while the daemon leaves one unanswered; a pin
-        sent daemon_wait_s ago and still unanswered is found here."""
+        or unpin sent daemon_wait_s ago and still unanswered is found
+        here."""
         stale = None
         with self._lock:  # (a lost connection clears the queue from another thread)
-            q = self._unanswered_pins
+            q = self._unreplied
             while q and q[0][1].answered():
                 q.popleft()
             if q and time.monotonic() - q[0][1].sent > self._opts["daemon_wait_s"]:
                 stale = q[0][0]
                 q.clear()
         if stale is not None:
-            self._timed_out(stale, TimeoutError(f"a pin unanswered after {self._opts['daemon_wait_s']:g}s"))
+            self._timed_out(stale, TimeoutError(f"a pin or unpin unanswered after {self._opts['daemon_wait_s']:g}s"))
         return None if self._unanswered else self._usable()
 
     def _timed_out(self, client, e):
@@ -307,7 +308,7 @@ class ConnectorScheduler(SchedulerLookups, _Half):
                     pin = client.pin_later(ns, keys[i:i + p.MAX_KEYS_PER_REQUEST], self._opts["pin_lease_s"])
                     self._step_pins.append(pin)
                     with self._lock:
-                        self._unanswered_pins.append((client, pin))
+                        self._unreplied.append((client, pin))
         except Exception as e:  # the load finds out: its blocks are recomputed
             self._pin_failed(client, e)
 
@@ -500,22 +501,26 @@ class ConnectorScheduler(SchedulerLookups, _Half):
                 self._stats["compute_measurements"] += 1
 
     def _unpin(self, pins):
+        """Releases pins (ids, or PendingPins whose replies are taken
+        here) without waiting for the daemon's replies; while the daemon
+        leaves a request unanswered they wait for it to answer again."""
         client = self._client
         pins = self._pin_ids(client, pins)
         with self._cv:
             if self._unanswered:  # sent once the daemon answers again (_probe)
                 self._unpin_later += pins
                 return
-        for i, pin_id in enumerate(pins):
+        # Sent without waiting for the replies (vLLM's call returns at
+        # once); one unanswered after daemon_wait_s is found by the next
+        # call that would ask the daemon (_ask).
+        for pin_id in pins:
             try:
-                client.unpin(pin_id)
-            except TimeoutError as e:
-                with self._cv:
-                    self._unpin_later += pins[i:]
-                self._timed_out(client, e)
-                return
+                pending = client.unpin_later(pin_id)
             except Exception as e:  # the connection's end releases them anyway
                 log.debug("kvhost connector: unpin: %s", e)
+                return
+            with self._lock:
+                self._unreplied.append((client, pending))
 
     def request_finished(self, request, block_ids):
         """(True, None) where a save or a load of the request went to the
