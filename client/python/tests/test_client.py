@@ -780,7 +780,11 @@ class TestLongerReplies(unittest.TestCase):
 
 
 class TestAbandonedRequests(unittest.TestCase):
-    def test_pin_later_returns_before_the_reply_and_gives_the_pin_when_it_comes(self):
+    def sent_later(self, send, body):
+        """Calls send(client) on a connection to a fake daemon that answers
+        the one request it reads with body only once the pending request
+        send returned says it is unanswered; returns (that request's
+        result(), the frame the daemon read)."""
         fake, c = connected_to_fake(self, timeout=5)
         frames, reply = [], threading.Event()
 
@@ -788,36 +792,28 @@ class TestAbandonedRequests(unittest.TestCase):
             frames.append(fake.read_frame())
             reply.wait(60)
             ftype, req_id, _ = frames[0]
-            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<QI", 9, 2) + bytes([p.PIN_HELD, p.PIN_MISSING]))
+            fake.reply(ftype | p.T_REPLY, req_id, body)
         d = threading.Thread(target=daemon)
         d.start()
-        pending = c.pin_later(1, [b"a", b"b"])  # unanswered yet: returns anyway
+        pending = send(c)  # unanswered yet: returns anyway
         self.assertFalse(pending.answered())
         reply.set()
-        self.assertEqual(pending.result(), (9, [True, False]))
+        got = pending.result()
         self.assertTrue(pending.answered())
         d.join(60)
-        self.assertEqual(frames[0][0], p.T_PIN)
+        return got, frames[0]
+
+    def test_pin_later_returns_before_the_reply_and_gives_the_pin_when_it_comes(self):
+        got, frame = self.sent_later(lambda c: c.pin_later(1, [b"a", b"b"]),
+                                     struct.pack("<QI", 9, 2) + bytes([p.PIN_HELD, p.PIN_MISSING]))
+        self.assertEqual(got, (9, [True, False]))
+        self.assertEqual(frame[0], p.T_PIN)
 
     def test_unpin_later_returns_before_the_reply_and_gives_the_keys_released_when_it_comes(self):
-        fake, c = connected_to_fake(self, timeout=5)
-        frames, reply = [], threading.Event()
-
-        def daemon():
-            frames.append(fake.read_frame())
-            reply.wait(60)
-            ftype, req_id, _ = frames[0]
-            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<I", 3))
-        d = threading.Thread(target=daemon)
-        d.start()
-        pending = c.unpin_later(42)  # unanswered yet: returns anyway
-        self.assertFalse(pending.answered())
-        reply.set()
-        self.assertEqual(pending.result(), 3)
-        self.assertTrue(pending.answered())
-        d.join(60)
-        self.assertEqual(frames[0][0], p.T_UNPIN)
-        self.assertEqual(struct.unpack("<Q", frames[0][2])[0], 42)
+        got, frame = self.sent_later(lambda c: c.unpin_later(42), struct.pack("<I", 3))
+        self.assertEqual(got, 3)
+        self.assertEqual(frame[0], p.T_UNPIN)
+        self.assertEqual(struct.unpack("<Q", frame[2])[0], 42)
 
     def test_a_pin_later_given_up_is_unpinned_when_its_reply_comes(self):
         fake, c = connected_to_fake(self, timeout=5)

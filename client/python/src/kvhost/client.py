@@ -53,21 +53,31 @@ def _pin_reply(body, nkeys):
     return pin_id, body[12:12 + n]
 
 
-class PendingPin:
-    """A pin sent, its reply not waited for yet (Client.pin_later)."""
-    __slots__ = ("_later", "_keys")
+class _Sent:
+    """A request sent, its reply not waited for yet (_call_later's
+    _Later): when it was sent, and whether its reply came."""
+    __slots__ = ("_later",)
 
-    def __init__(self, later, keys):
-        self._later, self._keys = later, keys
+    def __init__(self, later):
+        self._later = later
 
     @property
     def sent(self):
-        """When the pin was sent (time.monotonic())."""
+        """When the request was sent (time.monotonic())."""
         return self._later.sent
 
     def answered(self):
         """Whether the daemon's reply came (or the connection ended)."""
         return self._later.answered()
+
+
+class PendingPin(_Sent):
+    """A pin sent, its reply not waited for yet (Client.pin_later)."""
+    __slots__ = ("_keys",)
+
+    def __init__(self, later, keys):
+        super().__init__(later)
+        self._keys = keys
 
     def result(self):
         """(pin id, [bool per key: pinned]), as Client.pin returns, waited
@@ -82,21 +92,9 @@ class PendingPin:
         self._later.abandon()
 
 
-class PendingUnpin:
+class PendingUnpin(_Sent):
     """An unpin sent, its reply not waited for yet (Client.unpin_later)."""
-    __slots__ = ("_later",)
-
-    def __init__(self, later):
-        self._later = later
-
-    @property
-    def sent(self):
-        """When the unpin was sent (time.monotonic())."""
-        return self._later.sent
-
-    def answered(self):
-        """Whether the daemon's reply came (or the connection ended)."""
-        return self._later.answered()
+    __slots__ = ()
 
     def result(self):
         """How many keys the pin held, as Client.unpin returns, waited for
