@@ -130,6 +130,20 @@ class TestLayerLoadsOnARealDaemon(unittest.TestCase):
                 self.assertEqual(bytes(v[block_span(layer, dst)]), stored[block_span(layer, src)],
                                  f"layer {layer} block {dst}")
 
+    def test_a_load_prepared_without_layers_loads_every_layer(self):
+        c, cache, buf = layer_cache(self)
+        v = buf.view
+        v[:] = bytes(random.Random(87).randrange(256) for _ in range(len(v)))
+        stored = bytes(v)
+        self.assertEqual(c.store(cache, [b"k0"], [[0, 1]]).wait(30).outcomes(), ["stored"])
+        v[:] = b"\x3c" * len(v)
+        res = c.load_prepared(c.prepare_load(cache, [b"k0"], [[4, 5]])).wait(30)
+        self.assertEqual((res.outcomes(), res.bytes), (["loaded"], LAYERS * 2 * PAGE))
+        for layer in range(LAYERS):
+            for src, dst in ((0, 4), (1, 5)):
+                self.assertEqual(bytes(v[block_span(layer, dst)]), stored[block_span(layer, src)],
+                                 f"layer {layer} block {dst}")
+
     def test_prepare_load_refuses_what_load_refuses_before_sending(self):
         c, cache, _ = layer_cache(self)
         for keys, blocks, why in [([b"k"], [[1], [2]], "1 keys, 2 block lists"),

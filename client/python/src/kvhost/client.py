@@ -480,8 +480,6 @@ class Client(_Connection):
         (supports_layer_loads) raises UnsupportedError, and nothing is
         sent; a range past the namespace's layers is refused by the daemon
         (KvhostError, code "invalid argument", naming the range)."""
-        if layers is None:
-            return self._job(p.T_LOAD, p.transfer(cache, keys, blocks, load=True), block, len(keys))
         return self.load_prepared(self.prepare_load(cache, keys, blocks), layers, block)
 
     def prepare_load(self, cache, keys, blocks):
@@ -492,9 +490,12 @@ class Client(_Connection):
         blocks). Checks what load checks; raises the same errors."""
         return PreparedLoad(p.transfer(cache, keys, blocks, load=True), len(keys))
 
-    def load_prepared(self, prepared, layers, block=True):
-        """load of a prepare_load's keys and blocks for layers=(first,
-        count), as load(..., layers=layers) with the same arguments."""
+    def load_prepared(self, prepared, layers=None, block=True):
+        """load of a prepare_load's keys and blocks, as load(..., layers=
+        layers) with the same arguments: every layer (layers None), or
+        layers=(first, count)."""
+        if layers is None:
+            return self._job(p.T_LOAD, prepared.body, block, prepared.keys)
         if not self.supports_layer_loads:
             raise UnsupportedError(p.CODE_UNSUPPORTED, f"a load of layers {tuple(layers)}: the daemon "
                                    f"{self.limits.get('server', '')!r} announced no layer-range loads "

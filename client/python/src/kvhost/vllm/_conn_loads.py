@@ -114,17 +114,14 @@ class ConnectorLoads:
     def _load_jobs(self, client, name, loads, first, count, ranged, jobs, packed):
         """Sends the load jobs of loads (all of name: (salt namespace name,
         KV-cache group)) for layers [first, first + count) (the whole key
-        where not ranged), appending (job, blocks, owners) to jobs. A
-        layer range's requests are packed once per step, in packed (by
-        name), for every layer group of the same keys."""
+        where not ranged), appending (job, blocks, owners) to jobs. The
+        requests are packed once per step, in packed (by name), for every
+        layer group of the same keys."""
         if name not in packed:
-            packed[name] = self._pack_loads(client, name, loads, ranged)
+            packed[name] = self._pack_loads(client, name, loads)
         for prepared, blocks, owners in packed[name]:
             try:
-                if ranged:
-                    job = client.load_prepared(prepared, (first, count), block=False)
-                else:
-                    job = client.load(*prepared, block=False)
+                job = client.load_prepared(prepared, (first, count) if ranged else None, block=False)
             except (KvhostError, ConnectionLost, OSError, ValueError) as e:
                 log.warning("kvhost connector: load of layers %d-%d: %s", first, first + count - 1, e)
                 self._fail(blocks)
@@ -134,10 +131,10 @@ class ConnectorLoads:
                 continue
             jobs.append((job, blocks, owners))
 
-    def _pack_loads(self, client, name, loads, ranged):
+    def _pack_loads(self, client, name, loads):
         """The requests of loads (all of name), at most MAX_KEYS_PER_REQUEST
-        keys each: (the request packed by prepare_load where ranged, else
-        load's arguments; its blocks; its requests' ids). A request that
+        keys each: (the request packed by prepare_load; its blocks; its
+        requests' ids). A request that
         cannot be packed, and every request where the worker has no cache
         of name's salt namespace, is left out: its blocks are load errors."""
         keys = [k for t in loads for k in t.keys]
@@ -152,14 +149,12 @@ class ConnectorLoads:
         out = []
         for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
             sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
-            prepared = (cache, keys[sl], blocks[sl])
-            if ranged:
-                try:
-                    prepared = client.prepare_load(*prepared)
-                except ValueError as e:
-                    log.warning("kvhost connector: load of %d keys: %s", len(keys[sl]), e)
-                    self._fail(blocks[sl])
-                    continue
+            try:
+                prepared = client.prepare_load(cache, keys[sl], blocks[sl])
+            except ValueError as e:
+                log.warning("kvhost connector: load of %d keys: %s", len(keys[sl]), e)
+                self._fail(blocks[sl])
+                continue
             out.append((prepared, blocks[sl], frozenset(owners[sl])))
         return out
 
