@@ -72,6 +72,17 @@ func (c *Chain) Checksums() bool {
 	return true
 }
 
+// SumsWritten is true only if every mover of the chain's write checksums
+// are of the bytes written (WrittenSummer): any of them may take a plan.
+func (c *Chain) SumsWritten() bool {
+	for _, m := range c.movers {
+		if !SumsWritten(m) {
+			return false
+		}
+	}
+	return true
+}
+
 // WriteFile writes through the first mover that supports the plan.
 func (c *Chain) WriteFile(ctx context.Context, f fsys.File, p *Plan, sums []uint32) (int64, error) {
 	return c.do(ctx, func(m Mover) (int64, error) { return m.WriteFile(ctx, f, p, sums) })

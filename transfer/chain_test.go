@@ -101,6 +101,38 @@ func TestChainChecksumsOnlyIfEveryMoverDoes(t *testing.T) {
 	}
 }
 
+// writtenMover is a fakeMover that says whether its write checksums are
+// of the bytes written.
+type writtenMover struct {
+	fakeMover
+	written bool
+}
+
+func (m *writtenMover) SumsWritten() bool { return m.written }
+
+func TestChainSumsWrittenOnlyIfEveryMoverSaysSo(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		movers []Mover
+		want   bool
+	}{
+		{"every mover's sums are of the bytes written", []Mover{&writtenMover{written: true}, &writtenMover{written: true}}, true},
+		{"one mover's are not", []Mover{&writtenMover{written: true}, &writtenMover{written: false}}, false},
+		{"one mover does not say", []Mover{&writtenMover{written: true}, &fakeMover{sums: true}}, false},
+	} {
+		ch, err := NewChain("m", nil, tc.movers...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := SumsWritten(ch); got != tc.want {
+			t.Errorf("%s: SumsWritten = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+	if SumsWritten(&fakeMover{sums: true}) {
+		t.Error("a mover that does not implement WrittenSummer counts as summing the bytes written")
+	}
+}
+
 func TestChainForgetReachesEveryMover(t *testing.T) {
 	a, b := &fakeMover{name: "a"}, &fakeMover{name: "b"}
 	ch, _ := NewChain("m", nil, a, b)

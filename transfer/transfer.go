@@ -142,6 +142,26 @@ type Mover interface {
 	ReadFile(ctx context.Context, f fsys.File, p *Plan, sums []uint32) (int64, error)
 }
 
+// WrittenSummer is implemented by movers whose checksums of a write are
+// computed from the bytes that went into the file (the mover's own copy
+// of them, or the file's pages once copied), never read again from the
+// source region, which its owner may change meanwhile. The engine takes
+// such a write's checksums as a verification of the file's bytes: loads
+// from a memory file system do not sum them again while the file is
+// unchanged.
+type WrittenSummer interface {
+	// SumsWritten reports whether WriteFile's checksums are of the
+	// bytes written.
+	SumsWritten() bool
+}
+
+// SumsWritten reports whether m's write checksums are of the bytes
+// written (WrittenSummer); false for a mover that does not say.
+func SumsWritten(m Mover) bool {
+	w, ok := m.(WrittenSummer)
+	return ok && w.SumsWritten()
+}
+
 // Forgetter is implemented by movers that cache per-file state (cuFile
 // handles, CUDA registrations of a file's pages): the engine calls Forget
 // before it removes or replaces a file, with the file's identity. Forget

@@ -11,11 +11,14 @@ import (
 //
 // A file on a memory file system is RAM: its bytes change only when
 // something writes them, and every write, truncation and rename sets the
-// file's ctime. So the layers of keys whose bytes this engine summed as
-// it wrote them, or that a load verified, are recorded with the file's
-// ctime (index.Checked), and a later load that finds the same ctime at
-// its open takes them as verified: it moves them without summing, then
-// stats the file again, and fails where the ctime moved meanwhile. The
+// file's ctime. So the layers of keys a store summed from the bytes it
+// wrote (a mover that says so: transfer.WrittenSummer; one that sums its
+// source again could sum other bytes than it wrote, if their owner
+// changed them meanwhile), or that a load verified, are recorded with
+// the file's ctime (index.Checked), and a later load that finds the same
+// ctime at its open takes them as verified: it moves them without
+// summing, then stats the file again, and where the ctime moved
+// meanwhile reads the round again, verifying it. The
 // header is read at every load as before (its own checksum, its file id),
 // and read again after the payload: a spare reused by another engine
 // zeroes it first.

@@ -302,7 +302,8 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 //
 // On a memory mount, layers the engine wrote or verified at the file's
 // present ctime are not summed again (checkedBefore): the load checks
-// instead that the ctime did not move while it read.
+// instead that the ctime did not move while it read, and where it did
+// reads the round again, verifying it.
 func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, lr LayerRange, en *entry, f fsys.File, h *format.Header, m *mount, id fsys.Identity, dst []int, read []int, corrupt func(error)) bool {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	want := make([]bool, len(h.Keys))
@@ -320,7 +321,6 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	trusted := check && checkedBefore(m, en, h, id, read, lr)
 	if trusted {
 		check = false
-		e.st.checkedBefore.Add(uint64(len(read)))
 	}
 	by := verifyNone
 	switch {
@@ -352,12 +352,15 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return ok
 	}
-	if trusted && !unchangedSince(f, id) {
-		en.Checked.Store(nil)
-		for _, k := range read {
-			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: changed while it was read (its ctime moved), its bytes not verified", en.Path, errReplaced))
+	if trusted {
+		if !unchangedSince(f, id) {
+			// Its ctime moved while it was read: written, or only
+			// renamed or unlinked (which set it too). The round is read
+			// again and verified (nothing marked: no ctime is known).
+			en.Checked.Store(nil)
+			return e.loadRound(ctx, j, c, blocks, lr, en, f, h, m, fsys.Identity{}, dst, read, corrupt)
 		}
-		return false
+		e.st.checkedBefore.Add(uint64(len(read)))
 	}
 	if e.shared.rewritten(ctx, en, m, f, h) {
 		for _, k := range read {

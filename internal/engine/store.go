@@ -470,9 +470,10 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	for _, k := range h.Keys {
 		en.Keys = append(en.Keys, string(k.Key))
 	}
-	if sums != nil {
-		// The sums are of the bytes written: a load may take them as
-		// verified while the file's ctime stays the published one's.
+	if sums != nil && transfer.SumsWritten(mv) {
+		// The sums are of the bytes written (not of the source, read
+		// again): a load may take them as verified while the file's
+		// ctime stays the published one's.
 		markChecked(m, en, h, en.Ident.Ctime, allKeys(h), LayerRange{})
 	}
 	// The path is released in the same step: what the insert replaced

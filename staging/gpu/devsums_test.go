@@ -14,6 +14,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // TestSumsOnDeviceForRegisteredFiles: with checksums on the device, a
@@ -198,5 +199,25 @@ func TestSumJobsCountOnlyJobsThatComputedChecksums(t *testing.T) {
 	roundTrip(t, e, m, kv, kf, host, orig)
 	if c, g := m.SumJobs(); c != onCPU || g != onGPU+2 {
 		t.Fatalf("after a store and a load: on the CPU %d, on the GPU %d; want %d and %d", c, g, onCPU, onGPU+2)
+	}
+}
+
+// TestOnlyCPUChecksumsAreOfTheBytesWritten: the CPU sums the pinned
+// buffer or the file's pages a store wrote; the checksum kernel sums the
+// GPU memory the copies read again, so its sums vouch for no file.
+func TestOnlyCPUChecksumsAreOfTheBytesWritten(t *testing.T) {
+	e := newEnv(t)
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		want bool
+	}{
+		{"CPU checksums", Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch}, true},
+		{"checksums on the device", Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, SumsOnDevice: true}, false},
+		{"no checksums", Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, NoChecksums: true}, false},
+	} {
+		if got := transfer.SumsWritten(e.mover(t, tc.cfg)); got != tc.want {
+			t.Errorf("%s: SumsWritten = %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }

@@ -367,6 +367,13 @@ func (m *Mover) Name() string { return "gpu-staging" }
 // Checksums reports whether checksums are computed (the default).
 func (m *Mover) Checksums() bool { return !m.cfg.NoChecksums }
 
+// SumsWritten reports whether a store's checksums are of the bytes that
+// went into the file (transfer.WrittenSummer): the CPU's are taken from
+// the pinned buffer written, or the registered file's pages after their
+// copies; the checksum kernel's (Config.SumsOnDevice) from the GPU memory
+// before the copies read it again, which its owner may change meanwhile.
+func (m *Mover) SumsWritten() bool { return !m.cfg.NoChecksums && !m.cfg.SumsOnDevice }
+
 // ChecksumOn says where the mover computes checksums: "gpu" (the
 // checksum kernel, Config.SumsOnDevice), "cpu", or "off".
 func (m *Mover) ChecksumOn() string {

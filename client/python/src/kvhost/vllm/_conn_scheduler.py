@@ -513,12 +513,16 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         # Sent without waiting for the replies (vLLM's call returns at
         # once); one unanswered after daemon_wait_s is found by the next
         # call that would ask the daemon (_ask).
+        if client is None:
+            return  # the connection's end released them
         for pin_id in pins:
             try:
                 pending = client.unpin_later(pin_id)
-            except Exception as e:  # the connection's end releases them anyway
+            except Exception as e:  # noqa: BLE001 - a lost connection's end releases them all
                 log.debug("kvhost connector: unpin: %s", e)
-                return
+                if not client.connected():
+                    return
+                continue
             with self._lock:
                 self._unreplied.append((client, pending))
 
