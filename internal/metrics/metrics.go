@@ -260,7 +260,7 @@ var (
 	dHeldFound          = desc("kvhost_restart_held_files", "Files found at start that are still held from eviction (engine.restart_hold).")
 	dStored             = desc("kvhost_stored_keys_total", "Keys written and published.")
 	dLoaded             = desc("kvhost_loaded_keys_total", "Keys read into their blocks and verified.")
-	dCheckedBefore      = desc("kvhost_load_keys_checked_before_total", "Keys loaded from a memory mount without summing them again: their layers were written or verified by this daemon, the file unchanged since.")
+	dCheckedBefore      = desc("kvhost_load_keys_checked_before_total", "Keys loaded from a memory mount without summing them again: their layers were summed as this daemon wrote them or verified by it, the file unchanged since.")
 	dLayersByKey        = desc("kvhost_layer_loads_by_key_total", "Keys of layer-range loads verified through the whole key's checksum: files without per-layer checksums, every layer read.")
 	dHits               = desc("kvhost_hits_total", "Keys found by lookups and loads.")
 	dMisses             = desc("kvhost_misses_total", "Keys not found by lookups and loads.")
