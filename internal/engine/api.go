@@ -459,6 +459,14 @@ type LayerRange struct {
 // all reports whether r is the zero value: every layer.
 func (r LayerRange) all() bool { return r.Count == 0 }
 
+// of is r's layers of a file of layers layers, as [first, end).
+func (r LayerRange) of(layers int) (first, end int) {
+	if r.all() {
+		return 0, layers
+	}
+	return r.First, r.First + r.Count
+}
+
 // String writes r as [first, first+count), or "all layers".
 func (r LayerRange) String() string {
 	if r.all() && r.First == 0 {

@@ -23,14 +23,6 @@ import (
 // and read again after the payload: a spare reused by another engine
 // zeroes it first.
 
-// layerBounds is lr's layers of a file of layers layers, as [first, end).
-func layerBounds(lr LayerRange, layers int) (first, end int) {
-	if lr.all() {
-		return 0, layers
-	}
-	return lr.First, lr.First + lr.Count
-}
-
 // checkedBefore reports whether the layers lr of the file keys read of
 // en's file, whose header is h and whose identity a load took at its open
 // (id), are recorded as verified at the file's present ctime, on a mount
@@ -43,7 +35,7 @@ func checkedBefore(m *mount, en *entry, h *format.Header, id fsys.Identity, read
 	if c == nil || c.Ctime != id.Ctime || !c.Of(len(h.Keys), int(h.Layers)) {
 		return false
 	}
-	first, end := layerBounds(lr, int(h.Layers))
+	first, end := lr.of(int(h.Layers))
 	return c.Covers(read, first, end)
 }
 
@@ -63,7 +55,7 @@ func markChecked(m *mount, en *entry, h *format.Header, ctime int64, keys []int,
 		}
 		c = n
 	}
-	first, end := layerBounds(lr, int(h.Layers))
+	first, end := lr.of(int(h.Layers))
 	c.Mark(keys, first, end)
 }
 

@@ -87,12 +87,24 @@ func TestLoadsFromAMemoryMountSkipTheSumsOfWhatWasSummedUnlessEveryLoadIsChecked
 	}
 }
 
+// loadedOnce opens an engine on tmpfs, stores two keys through the host
+// path and loads them once (which verifies them: the host path's store
+// sums its source again); it returns the engine, the namespace, the
+// cache, the keys, the blocks they loaded into and their bytes.
+func loadedOnce(t *testing.T) (e *Engine, ns NamespaceID, c *testCache, keys [][]byte, into [][]int, want [][]byte) {
+	t.Helper()
+	e = openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t)}}, Policy: newTestPolicy(2, 0)})
+	ns, c = declareSmall(t, e, 64)
+	keys, _, want = storeSome(t, e, c, 2)
+	into = [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
+	if got := checkedLoad(t, e, c, keys, into, LayerRange{}, want); got != 0 {
+		t.Fatalf("the first load took %d keys as verified before, want 0 (the host path's store sums its source)", got)
+	}
+	return e, ns, c, keys, into, want
+}
+
 func TestAFileWrittenBehindTheEnginesBackIsVerifiedAgainAndFoundCorrupt(t *testing.T) {
-	e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t)}}, Policy: newTestPolicy(2, 0)})
-	ns, c := declareSmall(t, e, 64)
-	keys, _, want := storeSome(t, e, c, 2)
-	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
-	checkedLoad(t, e, c, keys, into, LayerRange{}, want) // verifies
+	e, ns, c, keys, into, want := loadedOnce(t)
 	if got := checkedLoad(t, e, c, keys, into, LayerRange{}, want); got != 2 {
 		t.Fatalf("the load after a verified one took %d keys as verified, want 2", got)
 	}
@@ -163,11 +175,7 @@ func (m touchingMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Pl
 }
 
 func TestALoadThatTookItsBytesAsVerifiedVerifiesThemWhereTheFileChangedWhileItRead(t *testing.T) {
-	e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t)}}, Policy: newTestPolicy(2, 0)})
-	_, c := declareSmall(t, e, 64)
-	keys, _, want := storeSome(t, e, c, 2)
-	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
-	checkedLoad(t, e, c, keys, into, LayerRange{}, want) // verifies
+	e, _, c, keys, into, want := loadedOnce(t)
 	m := e.mounts[0]
 	host := m.movers[region.KindHost]
 	m.movers[region.KindHost] = touchingMover{host}

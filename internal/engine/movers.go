@@ -171,10 +171,8 @@ const (
 func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m *mount, lr LayerRange, by verify) (*transfer.Plan, *checks) {
 	hl := int64(h.Len())
 	bb := int64(h.BlockBytes)
-	first, count := lr.First, lr.Count
-	if lr.all() {
-		first, count = 0, int(h.Layers)
-	}
+	first, end := lr.of(int(h.Layers))
+	count := end - first
 	wanted := 0
 	for k := range h.Keys {
 		if want == nil || want[k] {

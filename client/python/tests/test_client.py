@@ -815,22 +815,28 @@ class TestAbandonedRequests(unittest.TestCase):
         self.assertEqual(frame[0], p.T_UNPIN)
         self.assertEqual(struct.unpack("<Q", frame[2])[0], 42)
 
-    def test_a_pin_later_given_up_is_unpinned_when_its_reply_comes(self):
-        fake, c = connected_to_fake(self, timeout=5)
-        got = {}
+    def pin_answered_late(self, fake, pin_id):
+        """A fake daemon's thread that answers the pin it reads with
+        pin_id once the returned event is set, then reads the unpin that
+        follows and answers it; got gets the frames ("pin", "unpin")."""
+        got, late = {}, threading.Event()
 
         def daemon():
-            ftype, req_id, _ = fake.read_frame()
-            got["abandoned"].wait(60)
-            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<QI", 11, 1) + bytes([p.PIN_HELD]))
+            got["pin"] = fake.read_frame()
+            late.wait(60)
+            ftype, req_id, _ = got["pin"]
+            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<QI", pin_id, 1) + bytes([p.PIN_HELD]))
             got["unpin"] = fake.read_frame()
             fake.reply(got["unpin"][0] | p.T_REPLY, got["unpin"][1], struct.pack("<I", 1))
-
-        got["abandoned"] = threading.Event()
         d = threading.Thread(target=daemon)
         d.start()
+        return d, late, got
+
+    def test_a_pin_later_given_up_is_unpinned_when_its_reply_comes(self):
+        fake, c = connected_to_fake(self, timeout=5)
+        d, abandoned, got = self.pin_answered_late(fake, 11)
         c.pin_later(1, [b"k"]).abandon()
-        got["abandoned"].set()
+        abandoned.set()
         d.join(60)
         self.assertEqual(got["unpin"][0], p.T_UNPIN, "no unpin of the pin given up")
         self.assertEqual(struct.unpack("<Q", got["unpin"][2])[0], 11)
@@ -840,22 +846,10 @@ class TestAbandonedRequests(unittest.TestCase):
         # comes, the client gives the pin back rather than leave the
         # daemon holding keys nobody can name until the connection closes.
         fake, c = connected_to_fake(self, timeout=0.2)
-        got = {}
-
-        def daemon():
-            got["pin"] = fake.read_frame()
-            got["timed_out"].wait(60)
-            ftype, req_id, _ = got["pin"]
-            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<QI", 9, 1) + bytes([p.PIN_HELD]))
-            got["unpin"] = fake.read_frame()
-            fake.reply(got["unpin"][0] | p.T_REPLY, got["unpin"][1], struct.pack("<I", 1))
-
-        got["timed_out"] = threading.Event()
-        d = threading.Thread(target=daemon)
-        d.start()
+        d, timed_out, got = self.pin_answered_late(fake, 9)
         with self.assertRaises(TimeoutError):
             c.pin(1, [b"k"])
-        got["timed_out"].set()
+        timed_out.set()
         d.join(60)
         self.assertEqual(got["pin"][0], p.T_PIN)
         self.assertIn("unpin", got, "no unpin of the pin whose reply came late")
