@@ -73,9 +73,10 @@ func TestPlanEndIsPastItsLastExtent(t *testing.T) {
 	}
 }
 
-// A plan on a memory file system is read through a mapping where it is
-// fsys.MapMin bytes or more; smaller plans, and plans on other file
-// systems, read the file itself.
+// A plan on a memory file system is read through a mapping where it
+// reads fsys.MapMin bytes or more; smaller plans (a few layers far into a
+// large file too), and plans on other file systems, read the file
+// itself.
 func TestPlanReadSourceMapsLargeMemoryPlansOnly(t *testing.T) {
 	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
@@ -89,15 +90,16 @@ func TestPlanReadSourceMapsLargeMemoryPlansOnly(t *testing.T) {
 	cases := []struct {
 		name       string
 		memory     bool
-		end        int64
+		start, end int64
 		wantMapped bool
 	}{
-		{"memory, MapMin bytes", true, fsys.MapMin, true},
-		{"memory, less", true, fsys.MapMin - 4096, false},
-		{"other file system", false, fsys.MapMin, false},
+		{"memory, MapMin bytes", true, 0, fsys.MapMin, true},
+		{"memory, less", true, 0, fsys.MapMin - 4096, false},
+		{"memory, less, ending at MapMin", true, 4096, fsys.MapMin, false},
+		{"other file system", false, 0, fsys.MapMin, false},
 	}
 	for _, c := range cases {
-		p := &Plan{Extents: []Extent{{FileOff: 0, Len: c.end}}, Memory: c.memory}
+		p := &Plan{Extents: []Extent{{FileOff: c.start, Len: c.end - c.start}}, Memory: c.memory}
 		src, release := p.ReadSource(f)
 		got := make([]byte, len(want))
 		n, err := src.ReadAt(got, fsys.MapMin-int64(len(want)))

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/internal/crc32c"
 )
 
 // cudaDevAttrPageableMemoryAccess is the device attribute that says
@@ -31,6 +32,10 @@ const cudaDevAttrPageableMemoryAccess = 88
 //
 //   - "mapped copy": the staging pipeline's way, simplified: map the file,
 //     copy 4 MiB at a time into one of two pinned buffers, one DMA each;
+//   - the same with the copy cut in 256 KiB pieces as the pipeline cuts
+//     it, without and with each piece checksummed after its copy; in
+//     1 MiB pieces each checksummed in the mapping first; in one piece
+//     checksummed after (Go's copy stores around the cache from 1 MiB);
 //   - "pread": the same with pread into the pinned buffers (the way
 //     engines that read files into bounce buffers take);
 //   - "pageable DMA": cudaMemcpyAsync straight from the mapping, which
@@ -111,6 +116,27 @@ func TestGPUPathsForFilesNotRegistered(t *testing.T) {
 		name string
 		load func(w *cuda.Worker, j int, file string, dst uintptr) error
 	}
+	sinks := make([]uint32, jobs) // the checksums, kept
+	mappedCopy := func(piece int, where sumOrder) func(w *cuda.Worker, j int, file string, dst uintptr) error {
+		return func(w *cuda.Worker, j int, file string, dst uintptr) error {
+			return withMapping(file, size, false, func(m []byte) error {
+				unix.Madvise(m, unix.MADV_SEQUENTIAL)
+				return doubleBuffered(r, w, bufs[j], dst, size, chunk, func(b []byte, off int) error {
+					for lo := 0; lo < len(b); lo += piece {
+						dst, src := b[lo:lo+piece], m[off+lo:off+lo+piece]
+						if where == sumSourceFirst {
+							sinks[j] = crc32c.Update(sinks[j], src)
+						}
+						copy(dst, src)
+						if where == sumPieceAfter {
+							sinks[j] = crc32c.Update(sinks[j], dst)
+						}
+					}
+					return nil
+				})
+			})
+		}
+	}
 	paths := []path{
 		{"mapped copy", func(w *cuda.Worker, j int, file string, dst uintptr) error {
 			return withMapping(file, size, false, func(m []byte) error {
@@ -121,6 +147,15 @@ func TestGPUPathsForFilesNotRegistered(t *testing.T) {
 				})
 			})
 		}},
+		// The staging pipeline's fused pieces, without and with their
+		// checksums, and two other orders of the copy and the checksum:
+		// whether the copy's pieces, their stores (Go's copy stores
+		// around the cache from 1 MiB up) or the checksum's pass bound
+		// these loads.
+		{"mapped copy 256K", mappedCopy(256<<10, sumNone)},
+		{"mapped copy 256K summed", mappedCopy(256<<10, sumPieceAfter)},
+		{"mapped copy 1M source summed", mappedCopy(1<<20, sumSourceFirst)},
+		{"mapped copy 4M summed after", mappedCopy(chunk, sumPieceAfter)},
 		{"pread", func(w *cuda.Worker, j int, file string, dst uintptr) error {
 			f, err := os.Open(file)
 			if err != nil {
@@ -228,7 +263,7 @@ func TestGPUPathsForFilesNotRegistered(t *testing.T) {
 			gb := float64(total) / 1e9
 			user := float64(after.Utime.Nano()-before.Utime.Nano()) / 1e6 / gb
 			sys := float64(after.Stime.Nano()-before.Stime.Nano()) / 1e6 / gb
-			rep.printf("round %d %-24s %6.1f GB/s  CPU %4.0f ms/GB user, %4.0f kernel  (%d files of %d MiB, %d jobs)",
+			rep.printf("round %d %-30s %6.1f GB/s  CPU %4.0f ms/GB user, %4.0f kernel  (%d files of %d MiB, %d jobs)",
 				round, p.name, gbps(total, took), user, sys, files, size>>20, jobs)
 			if wrong != 0 {
 				t.Errorf("%s: %d of %d files differ on the device", p.name, wrong, files)
@@ -239,6 +274,17 @@ func TestGPUPathsForFilesNotRegistered(t *testing.T) {
 		}
 	}
 }
+
+// sumOrder is where a mapped copy's checksum reads the bytes: nowhere,
+// each piece of the pinned buffer right after its copy, or each piece of
+// the mapping right before its copy.
+type sumOrder int
+
+const (
+	sumNone sumOrder = iota
+	sumPieceAfter
+	sumSourceFirst
+)
 
 // withMapping maps file's first size bytes shared (read-write with
 // MAP_POPULATE where populate is set, as the registrar maps, else read
