@@ -157,6 +157,9 @@ type Mover struct {
 
 	// files are the registered files (nil: Config.RegisterFiles 0).
 	files *files
+	// maps keeps the mappings that loads of memory-mount files not
+	// registered read through, for the file's next jobs (mapCacheFiles).
+	maps *fsys.MapCache
 	// sumsBesideLoad (set by the GPU benchmark only) makes a load of a
 	// registered file of one chunk checksum its bytes while its copies
 	// run, as larger files do, instead of after them.
@@ -252,7 +255,8 @@ func New(cfg Config) (*Mover, error) {
 			return nil, fmt.Errorf("%w: device %d: the runtime sees %d devices", errConfig, d, count)
 		}
 	}
-	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}, act: newActivity()}
+	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}, act: newActivity(),
+		maps: fsys.NewMapCache(mapCacheFiles, mapCacheIdle)}
 	m.fallback = cuda.CopySegments
 	if cfg.Copy == cuda.CopyBatch || cfg.Copy != cuda.CopySegments && m.r.HasBatch() {
 		m.fallback = cuda.CopyBatch
@@ -444,6 +448,7 @@ func (m *Mover) Close() error {
 	if m.files != nil {
 		m.files.close()
 	}
+	m.maps.Close()
 	var errs []error
 	for _, d := range m.devs {
 		errs = append(errs, m.destroyIdle(d))
@@ -654,28 +659,31 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if write && sums == nil {
 		fused = false
 	}
-	if m.files != nil && p.Memory {
-		if id, ok := identify(f); ok {
-			if rf := m.files.acquire(id, p.End()); rf != nil {
-				n, err = m.runMapped(ctx, rf.mem, p, chunks, dev, sums, write)
-				m.files.put(rf, write, err == nil)
-				return n, err
-			}
-			// Registered later, off the job's path, for the next job;
-			// not if the file is removed meanwhile.
-			m.files.expectOffer(id)
-			file := f
-			defer func() {
-				if err == nil {
-					m.files.offer(file, id, false)
-				}
-				m.files.endExpected(id)
-			}()
+	var id fileID
+	identified := false
+	if p.Memory {
+		id, identified = identify(f)
+	}
+	if m.files != nil && identified {
+		if rf := m.files.acquire(id, p.End()); rf != nil {
+			n, err = m.runMapped(ctx, rf.mem, p, chunks, dev, sums, write)
+			m.files.put(rf, write, err == nil)
+			return n, err
 		}
+		// Registered later, off the job's path, for the next job;
+		// not if the file is removed meanwhile.
+		m.files.expectOffer(id)
+		file := f
+		defer func() {
+			if err == nil {
+				m.files.offer(file, id, false)
+			}
+			m.files.endExpected(id)
+		}()
 	}
 	if !write {
 		var release func()
-		f, release = p.ReadSource(f)
+		f, release = m.readSource(f, p, id, identified)
 		defer release()
 	}
 	if m.files != nil && p.Memory {
@@ -694,12 +702,40 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused, p.Folio)
 }
 
+// mapCacheFiles and mapCacheIdle bound the mappings a mover keeps for
+// loads of files not registered (Mover.maps): a file's layer jobs of a
+// step come within milliseconds of each other, and the next step's
+// within seconds; a file someone else removed keeps its pages that long
+// at most after its last load.
+const (
+	mapCacheFiles = 1024
+	mapCacheIdle  = 5 * time.Second
+)
+
+// readSource returns f as a load of plan p reads it: a file of
+// fsys.MapMin bytes or more on a memory file system (the file id,
+// identified) through the mover's mapping of the whole file, made by the
+// file's first job and kept for its next (a layer-wise load reads each
+// file once per group of layers), else as the plan says
+// (transfer.Plan.ReadSource: smaller files are read, since a file loaded
+// once would cost a mapping and an unmapping all the same).
+func (m *Mover) readSource(f fsys.File, p *transfer.Plan, id fileID, identified bool) (fsys.File, func()) {
+	if identified && p.Memory && id.size >= fsys.MapMin {
+		if src, release, ok := m.maps.Read(f, id.FileID, id.size); ok {
+			return src, release
+		}
+	}
+	return p.ReadSource(f)
+}
+
 // Forget implements transfer.Forgetter: the file is being removed or
-// replaced, so its registration (if any) is dropped.
+// replaced, so its registration and its load mapping (if any) are
+// dropped.
 func (m *Mover) Forget(id fsys.FileID) {
 	if m.files != nil {
 		m.files.forget(id)
 	}
+	m.maps.Forget(id)
 }
 
 // Prepare implements transfer.Preparer: a file the engine made ahead of

@@ -773,6 +773,21 @@ func (f *mapWatch) MapRead(n int64) (*fsys.Mapping, error) {
 	return mp, err
 }
 
+// mapMinSetup returns a test environment with a cache of 16 pages of
+// 256 KiB in each of 4 layers, randomized from seed (its bytes orig), a
+// key's 16 blocks of it (a 16 MiB file, as large as fsys.MapMin) and a
+// mover of 1 MiB chunks.
+func mapMinSetup(t *testing.T, seed uint64) (*env, geometry, *cache, [][]byte, []int, *Mover) {
+	t.Helper()
+	e := newEnv(t)
+	g := geometry{layers: 4, numBlocks: 32, pageBytes: 256 << 10, blocksPerKey: 16, headerBytes: 4096}
+	kv := newCache(t, e.w, g)
+	orig := kv.randomize(t, e.w, seed)
+	blocks := []int{3, 1, 4, 15, 9, 2, 6, 5, 30, 8, 11, 20, 7, 0, 12, 31}
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 1 << 20, Copy: cuda.CopyBatch})
+	return e, g, kv, orig, blocks, m
+}
+
 // TestLoadsFromMemoryFileSystemsCopyFromAMapping: a load of a file on a
 // memory file system copies from a mapping of it instead of reading it
 // (fsys.Mapping says why), with the same bytes and checksums; a file that
@@ -780,18 +795,11 @@ func (f *mapWatch) MapRead(n int64) (*fsys.Mapping, error) {
 // and write as before; and a file truncated under its mapping fails that
 // load with region.ErrFault while the mover goes on serving.
 func TestLoadsFromMemoryFileSystemsCopyFromAMapping(t *testing.T) {
-	e := newEnv(t)
-	// 16 pages of 256 KiB in each of 4 layers: a 16 MiB file, as large as
-	// fsys.MapMin.
-	g := geometry{layers: 4, numBlocks: 32, pageBytes: 256 << 10, blocksPerKey: 16, headerBytes: 4096}
-	kv := newCache(t, e.w, g)
-	orig := kv.randomize(t, e.w, 11)
+	e, g, kv, orig, blocks, m := mapMinSetup(t, 11)
 	host := map[region.Region][]byte{}
 	for l, b := range orig {
 		host[kv.layers[l]] = b
 	}
-	blocks := []int{3, 1, 4, 15, 9, 2, 6, 5, 30, 8, 11, 20, 7, 0, 12, 31}
-	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 1 << 20, Copy: cuda.CopyBatch})
 	cases := []struct {
 		name      string
 		memory    bool
@@ -875,6 +883,65 @@ func TestLoadsFromMemoryFileSystemsCopyFromAMapping(t *testing.T) {
 			t.Fatalf("load after the fault: %v", err)
 		}
 	})
+}
+
+// TestLoadsOfAFileNotRegisteredShareOneMapping: the jobs that load parts
+// of a memory-mount file of fsys.MapMin bytes or more (a layer-wise
+// load's layer ranges, each under MapMin) read through one mapping of
+// the whole file, made by the first and kept for the others; a file the
+// engine forgets (removes or replaces) is mapped anew by its next load.
+func TestLoadsOfAFileNotRegisteredShareOneMapping(t *testing.T) {
+	e, g, kv, orig, blocks, m := mapMinSetup(t, 5) // loaded in quarters
+	p := kv.plan(blocks, false)
+	p.Memory = true
+	w := &mapWatch{File: createFile(t, "key")}
+	if _, err := m.WriteFile(context.Background(), w, p, make([]uint32, p.Sums)); err != nil {
+		t.Fatal(err)
+	}
+	quarter := func(i int) *transfer.Plan {
+		q := *p
+		n := len(p.Extents) / 4
+		q.Extents = p.Extents[i*n : (i+1)*n]
+		if q.Bytes() >= fsys.MapMin {
+			t.Fatalf("a quarter of the file reads %d bytes, not under fsys.MapMin", q.Bytes())
+		}
+		return &q
+	}
+	kv.poison(t, e.w)
+	for i := range 4 {
+		if n, err := m.ReadFile(context.Background(), w, quarter(i), make([]uint32, p.Sums)); err != nil || n != quarter(i).Bytes() {
+			t.Fatalf("quarter %d: ReadFile = %d, %v", i, n, err)
+		}
+	}
+	if w.maps != 1 || w.reads != 0 {
+		t.Fatalf("four loads mapped the file %d times and read it %d times; want one mapping, no read", w.maps, w.reads)
+	}
+	for l := range g.layers {
+		if !blocksEqual(kv.get(t, e.w, l), orig[l], blocks, g.pageBytes) {
+			t.Fatalf("layer %d: loaded bytes differ", l)
+		}
+	}
+	id, ok := identify(w)
+	if !ok {
+		t.Fatal("the test's file has no identity")
+	}
+	m.Forget(id.FileID)
+	if _, err := m.ReadFile(context.Background(), w, quarter(0), make([]uint32, p.Sums)); err != nil {
+		t.Fatal(err)
+	}
+	if w.maps != 2 {
+		t.Fatalf("a load after Forget mapped the file %d times in all; want 2", w.maps)
+	}
+}
+
+// blocksEqual reports whether the pages blocks of got and want are equal.
+func blocksEqual(got, want []byte, blocks []int, page int) bool {
+	for _, b := range blocks {
+		if !bytes.Equal(got[b*page:(b+1)*page], want[b*page:(b+1)*page]) {
+			return false
+		}
+	}
+	return true
 }
 
 // TestWaitsPollBeforeTheyBlock checks how a job waits for its copies: by

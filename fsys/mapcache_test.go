@@ -1,0 +1,217 @@
+package fsys
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// countingFile counts its mappings and keeps the last one.
+type countingFile struct {
+	File
+	maps int
+	last *Mapping
+}
+
+func (f *countingFile) MapRead(n int64) (*Mapping, error) {
+	m, err := f.File.(Mapper).MapRead(n)
+	if err == nil {
+		f.maps++
+		f.last = m
+	}
+	return m, err
+}
+
+// cachedFile writes size patterned bytes to a new file in dir and returns
+// it, counting its mappings, with its identity.
+func cachedFile(t *testing.T, dir, name string, size int) (*countingFile, FileID, []byte) {
+	t.Helper()
+	f, err := OS{}.OpenFile(filepath.Join(dir, name), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	want := make([]byte, size)
+	for i := range want {
+		want[i] = byte(i*13 + len(name))
+	}
+	if _, err := f.WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	return &countingFile{File: f}, FileIDOf(int(f.Fd()), &st), want
+}
+
+// readVia reads n bytes at off through the cache and releases them.
+func readVia(t *testing.T, c *MapCache, f File, id FileID, size int64, off, n int) ([]byte, bool) {
+	t.Helper()
+	src, release, ok := c.Read(f, id, size)
+	defer release()
+	got := make([]byte, n)
+	if _, err := src.ReadAt(got, int64(off)); err != nil {
+		t.Fatalf("ReadAt through the cache: %v", err)
+	}
+	return got, ok
+}
+
+// TestMapCacheMapsAFileOnceForItsReads: reads of parts of one file share
+// one mapping, with the file's bytes; a resized file, another file in its
+// inode number's slot, and a file forgotten are mapped anew.
+func TestMapCacheMapsAFileOnceForItsReads(t *testing.T) {
+	const size = 5*4096 + 10
+	c := NewMapCache(8, time.Hour)
+	defer c.Close()
+	f, id, want := cachedFile(t, t.TempDir(), "f", size)
+	for _, off := range []int{0, 4096, size - 100} {
+		got, ok := readVia(t, c, f, id, size, off, min(100, size-off))
+		if !ok || !bytes.Equal(got, want[off:off+len(got)]) {
+			t.Fatalf("read at %d through the cache: mapped %v, bytes equal %v", off, ok, bytes.Equal(got, want[off:off+len(got)]))
+		}
+	}
+	if f.maps != 1 || c.Len() != 1 {
+		t.Fatalf("three reads mapped the file %d times, the cache holds %d; want 1 and 1", f.maps, c.Len())
+	}
+	cases := []struct {
+		name string
+		id   FileID
+		size int64
+	}{
+		{"resized", id, size - 10},
+		{"another generation", FileID{Dev: id.Dev, Ino: id.Ino, Gen: id.Gen + "x"}, size - 10},
+	}
+	for i, tc := range cases {
+		first := f.last
+		if _, ok := readVia(t, c, f, tc.id, tc.size, 0, 10); !ok {
+			t.Fatalf("%s: not mapped", tc.name)
+		}
+		if f.maps != 2+i || c.Len() != 1 || first.Len() != 0 {
+			t.Fatalf("%s: %d mappings made, %d cached, the old one unmapped %v; want %d, 1, true", tc.name, f.maps, c.Len(), first.Len() == 0, 2+i)
+		}
+	}
+	c.Forget(FileID{Dev: id.Dev, Ino: id.Ino}) // any generation
+	if c.Len() != 0 || f.last.Len() != 0 {
+		t.Fatalf("after Forget the cache holds %d, the mapping unmapped %v", c.Len(), f.last.Len() == 0)
+	}
+	readVia(t, c, f, id, size, 0, 10)
+	if f.maps != 4 {
+		t.Fatalf("a read after Forget: %d mappings in all, want 4", f.maps)
+	}
+}
+
+// TestMapCacheKeepsAtMostItsLimit: a new file takes the place of the least
+// recently used mapping no reader holds; where every one is held, it is
+// read without a mapping.
+func TestMapCacheKeepsAtMostItsLimit(t *testing.T) {
+	c := NewMapCache(2, time.Hour)
+	defer c.Close()
+	dir := t.TempDir()
+	a, ida, _ := cachedFile(t, dir, "a", 4096)
+	b, idb, _ := cachedFile(t, dir, "b", 4096)
+	d, idd, want := cachedFile(t, dir, "d", 4096)
+	readVia(t, c, a, ida, 4096, 0, 1)
+	_, releaseB, _ := c.Read(b, idb, 4096) // held
+	if got, ok := readVia(t, c, d, idd, 4096, 0, 10); !ok || !bytes.Equal(got, want[:10]) {
+		t.Fatalf("a third file: mapped %v", ok)
+	}
+	if c.Len() != 2 || a.last.Len() != 0 || b.last.Len() == 0 {
+		t.Fatalf("cache of 2: holds %d, the unused first file unmapped %v, the held one mapped %v", c.Len(), a.last.Len() == 0, b.last.Len() != 0)
+	}
+	_, releaseD, _ := c.Read(d, idd, 4096) // both held now
+	src, release, ok := c.Read(a, ida, 4096)
+	got := make([]byte, 10)
+	if _, err := src.ReadAt(got, 0); ok || src != File(a) || err != nil {
+		t.Fatalf("every mapping held: Read mapped %v, gave the file itself %v, read error %v; want the file, unmapped", ok, src == File(a), err)
+	}
+	release()
+	releaseB()
+	releaseD()
+}
+
+// TestMapCacheDropsIdleMappings: a mapping no one read for the idle time
+// is unmapped by the cache's own timer; one held is kept until released.
+func TestMapCacheDropsIdleMappings(t *testing.T) {
+	c := NewMapCache(8, 20*time.Millisecond)
+	defer c.Close()
+	dir := t.TempDir()
+	a, ida, _ := cachedFile(t, dir, "a", 4096)
+	b, idb, _ := cachedFile(t, dir, "b", 4096)
+	readVia(t, c, a, ida, 4096, 0, 1)
+	_, releaseB, _ := c.Read(b, idb, 4096)
+	waitFor(t, "the idle mapping dropped", func() bool { return c.Len() == 1 && a.last.Len() == 0 })
+	if b.last.Len() == 0 {
+		t.Fatal("a mapping in use was unmapped")
+	}
+	releaseB()
+	waitFor(t, "the released mapping dropped once idle", func() bool { return c.Len() == 0 && b.last.Len() == 0 })
+}
+
+// TestMapCacheReadersOutliveForgetAndClose: a reader holding a mapping
+// reads on after Forget and Close, which unmap it at its release; reads
+// after Close are not mapped; a file truncated under its mapping fails
+// the read with ErrMapping.
+func TestMapCacheReadersOutliveForgetAndClose(t *testing.T) {
+	dir := t.TempDir()
+	for _, end := range []string{"forget", "close"} {
+		t.Run(end, func(t *testing.T) {
+			c := NewMapCache(8, time.Hour)
+			defer c.Close()
+			f, id, want := cachedFile(t, dir, end, 3*4096)
+			src, release, ok := c.Read(f, id, 3*4096)
+			if !ok {
+				t.Fatal("not mapped")
+			}
+			if end == "forget" {
+				c.Forget(id)
+			} else {
+				c.Close()
+			}
+			got := make([]byte, 4096)
+			if _, err := src.ReadAt(got, 4096); err != nil || !bytes.Equal(got, want[4096:8192]) {
+				t.Fatalf("a held mapping after %s: %v", end, err)
+			}
+			release()
+			if f.last.Len() != 0 {
+				t.Fatalf("after %s and the release the mapping is still mapped", end)
+			}
+			if end == "close" {
+				if _, _, ok := c.Read(f, id, 3*4096); ok {
+					t.Fatal("a read after Close was mapped")
+				}
+			}
+		})
+	}
+	t.Run("truncated", func(t *testing.T) {
+		c := NewMapCache(8, time.Hour)
+		defer c.Close()
+		f, id, _ := cachedFile(t, dir, "trunc", 3*4096)
+		readVia(t, c, f, id, 3*4096, 0, 1)
+		if err := os.Truncate(filepath.Join(dir, "trunc"), 4096); err != nil {
+			t.Fatal(err)
+		}
+		src, release, _ := c.Read(f, id, 3*4096) // the caller's identity is stale
+		defer release()
+		if _, err := src.ReadAt(make([]byte, 10), 2*4096); !errors.Is(err, ErrMapping) {
+			t.Fatalf("a read past the truncated end: %v, want ErrMapping", err)
+		}
+	})
+}
+
+// waitFor waits up to 10 s for cond.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
