@@ -17,22 +17,29 @@ import (
 // (see Mapping), so the first read of freshly written pages does not
 // queue on the lock that read(2) takes to activate them.
 //
-// The cache holds at most its limit of mappings; one unused for its idle
-// time is dropped by a timer, so that the pages of a file someone else
-// removed are given back soon after its last read. Forget drops a file
-// the caller removes or replaces. A mapping in use is unmapped when its
-// last reader releases it. A file truncated under its mapping fails the
-// reads (ErrMapping), never the process.
+// The cache keeps at most its limit of mappings (those it dropped while
+// a reader held them are unmapped by the reader's release); one unused
+// for its idle time is dropped by a timer, so that the pages of a file
+// removed are given back at most that long after its last read. Forget
+// drops a file the caller removes or replaces, and keeps a read that
+// began before it from caching the file. A file truncated under its
+// mapping fails the reads (ErrMapping), never the process.
 type MapCache struct {
 	limit int
 	idle  time.Duration
 	now   func() time.Time
+	// unmap unmaps a mapping the cache dropped ((*Mapping).Close; tests
+	// watch it).
+	unmap func(*Mapping)
 
 	mu     sync.Mutex
 	byKey  map[FileID]*cachedMap // by FileID.Inode()
 	lru    list.List             // *cachedMap, the most recently used first
 	timer  *time.Timer           // the next sweep for idle mappings; nil: none armed
 	closed bool
+	// forgets counts the Forget calls by a hash of the inode number: a
+	// read that mapped its file while one came does not cache it.
+	forgets [64]uint64
 }
 
 // cachedMap is one file's mapping in a MapCache.
@@ -49,14 +56,20 @@ type cachedMap struct {
 // NewMapCache returns a cache of at most limit mappings, each dropped
 // once unused for idle.
 func NewMapCache(limit int, idle time.Duration) *MapCache {
-	return &MapCache{limit: limit, idle: idle, now: time.Now, byKey: map[FileID]*cachedMap{}}
+	return &MapCache{limit: limit, idle: idle, now: time.Now, byKey: map[FileID]*cachedMap{},
+		unmap: func(m *Mapping) { m.Close() }}
 }
+
+// forgetSlot is key's counter in MapCache.forgets.
+func forgetSlot(key FileID) int { return int((key.Dev*31 + key.Ino) % 64) }
 
 // Read returns f with its reads (ReadAt, ReadvAt) served by the cache's
 // mapping of the whole file, size bytes, whose identity is id: kept from
 // an earlier read, or made now. release ends this use. It reports false
-// (and f itself, a no-op release) where f cannot be mapped, the cache is
-// closed, or every mapping it holds is in use: the caller reads f.
+// (and f itself, a no-op release) where f cannot be mapped, or is
+// shorter than size now, where the file was forgotten while it was
+// mapped, the cache is closed, or every mapping it holds is in use: the
+// caller reads f.
 func (c *MapCache) Read(f File, id FileID, size int64) (src File, release func(), ok bool) {
 	key := id.Inode()
 	c.mu.Lock()
@@ -66,24 +79,34 @@ func (c *MapCache) Read(f File, id FileID, size int64) (src File, release func()
 		c.mu.Unlock()
 		return readThrough(f, cm.m), func() { c.release(cm) }, true
 	}
+	forgets := c.forgets[forgetSlot(key)]
+	room := !c.closed && (c.lru.Len() < c.limit || c.oldestUnusedLocked() != nil)
 	c.mu.Unlock()
 	mf, isMapper := f.(Mapper)
-	if !isMapper || size <= 0 {
+	if !isMapper || size <= 0 || !room {
 		return f, func() {}, false
 	}
 	m, err := mf.MapRead(size)
 	if err != nil {
 		return f, func() {}, false
 	}
-	c.mu.Lock()
 	var drop []*Mapping
 	defer func() {
 		for _, m := range drop {
-			m.Close()
+			c.unmap(m)
 		}
 	}()
+	if m.Len() < size {
+		// Truncated since the caller's fstat: a mapping kept under size
+		// would fail the reads that the file, written again, serves.
+		drop = append(drop, m)
+		return f, func() {}, false
+	}
+	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.closed {
+	if c.closed || c.forgets[forgetSlot(key)] != forgets {
+		// Closed, or the file (or another of the slot's) forgotten while
+		// it was mapped: the caller is removing or replacing it.
 		drop = append(drop, m)
 		return f, func() {}, false
 	}
@@ -125,7 +148,7 @@ func (c *MapCache) release(cm *cachedMap) {
 	}
 	c.mu.Unlock()
 	if unmap {
-		cm.m.Close()
+		c.unmap(cm.m)
 	}
 }
 
@@ -151,12 +174,10 @@ func (c *MapCache) sweep() {
 	if c.lru.Len() > 0 && !c.closed {
 		c.timer = time.AfterFunc(max(next, c.idle/8), c.sweep)
 	}
-	// Unmapped before the lock is given back: whoever sees the cache
-	// without them sees them unmapped (a sweep is rare; Read waits).
-	for _, m := range drop {
-		m.Close()
-	}
 	c.mu.Unlock()
+	for _, m := range drop {
+		c.unmap(m)
+	}
 }
 
 // oldestUnusedLocked returns the least recently used mapping no reader
@@ -191,13 +212,14 @@ func (c *MapCache) dropLocked(cm *cachedMap, drop []*Mapping) []*Mapping {
 // its last reader.
 func (c *MapCache) Forget(id FileID) {
 	c.mu.Lock()
+	c.forgets[forgetSlot(id.Inode())]++
 	var drop []*Mapping
 	if cm := c.byKey[id.Inode()]; cm != nil {
 		drop = c.dropLocked(cm, drop)
 	}
 	c.mu.Unlock()
 	for _, m := range drop {
-		m.Close()
+		c.unmap(m)
 	}
 }
 
@@ -225,7 +247,7 @@ func (c *MapCache) Close() error {
 	}
 	c.mu.Unlock()
 	for _, m := range drop {
-		m.Close()
+		c.unmap(m)
 	}
 	return nil
 }

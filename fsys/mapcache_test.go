@@ -5,17 +5,20 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// countingFile counts its mappings and keeps the last one.
+// countingFile counts its mappings and keeps the last one; afterMap, if
+// set, runs after each.
 type countingFile struct {
 	File
-	maps int
-	last *Mapping
+	maps     int
+	last     *Mapping
+	afterMap func()
 }
 
 func (f *countingFile) MapRead(n int64) (*Mapping, error) {
@@ -24,7 +27,35 @@ func (f *countingFile) MapRead(n int64) (*Mapping, error) {
 		f.maps++
 		f.last = m
 	}
+	if f.afterMap != nil {
+		f.afterMap()
+	}
 	return m, err
+}
+
+// unmapLog records the mappings a cache unmapped.
+type unmapLog struct {
+	mu   sync.Mutex
+	done map[*Mapping]bool
+}
+
+// watchUnmaps makes c record its unmaps in the returned log.
+func watchUnmaps(c *MapCache) *unmapLog {
+	l := &unmapLog{done: map[*Mapping]bool{}}
+	c.unmap = func(m *Mapping) {
+		m.Close()
+		l.mu.Lock()
+		l.done[m] = true
+		l.mu.Unlock()
+	}
+	return l
+}
+
+// unmapped reports whether the cache unmapped m.
+func (l *unmapLog) unmapped(m *Mapping) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.done[m]
 }
 
 // cachedFile writes size patterned bytes to a new file in dir and returns
@@ -69,6 +100,7 @@ func TestMapCacheMapsAFileOnceForItsReads(t *testing.T) {
 	const size = 5*4096 + 10
 	c := NewMapCache(8, time.Hour)
 	defer c.Close()
+	u := watchUnmaps(c)
 	f, id, want := cachedFile(t, t.TempDir(), "f", size)
 	for _, off := range []int{0, 4096, size - 100} {
 		got, ok := readVia(t, c, f, id, size, off, min(100, size-off))
@@ -92,13 +124,13 @@ func TestMapCacheMapsAFileOnceForItsReads(t *testing.T) {
 		if _, ok := readVia(t, c, f, tc.id, tc.size, 0, 10); !ok {
 			t.Fatalf("%s: not mapped", tc.name)
 		}
-		if f.maps != 2+i || c.Len() != 1 || first.Len() != 0 {
-			t.Fatalf("%s: %d mappings made, %d cached, the old one unmapped %v; want %d, 1, true", tc.name, f.maps, c.Len(), first.Len() == 0, 2+i)
+		if f.maps != 2+i || c.Len() != 1 || !u.unmapped(first) {
+			t.Fatalf("%s: %d mappings made, %d cached, the old one unmapped %v; want %d, 1, true", tc.name, f.maps, c.Len(), u.unmapped(first), 2+i)
 		}
 	}
 	c.Forget(FileID{Dev: id.Dev, Ino: id.Ino}) // any generation
-	if c.Len() != 0 || f.last.Len() != 0 {
-		t.Fatalf("after Forget the cache holds %d, the mapping unmapped %v", c.Len(), f.last.Len() == 0)
+	if c.Len() != 0 || !u.unmapped(f.last) {
+		t.Fatalf("after Forget the cache holds %d, the mapping unmapped %v", c.Len(), u.unmapped(f.last))
 	}
 	readVia(t, c, f, id, size, 0, 10)
 	if f.maps != 4 {
@@ -112,6 +144,7 @@ func TestMapCacheMapsAFileOnceForItsReads(t *testing.T) {
 func TestMapCacheKeepsAtMostItsLimit(t *testing.T) {
 	c := NewMapCache(2, time.Hour)
 	defer c.Close()
+	u := watchUnmaps(c)
 	dir := t.TempDir()
 	a, ida, _ := cachedFile(t, dir, "a", 4096)
 	b, idb, _ := cachedFile(t, dir, "b", 4096)
@@ -121,14 +154,14 @@ func TestMapCacheKeepsAtMostItsLimit(t *testing.T) {
 	if got, ok := readVia(t, c, d, idd, 4096, 0, 10); !ok || !bytes.Equal(got, want[:10]) {
 		t.Fatalf("a third file: mapped %v", ok)
 	}
-	if c.Len() != 2 || a.last.Len() != 0 || b.last.Len() == 0 {
-		t.Fatalf("cache of 2: holds %d, the unused first file unmapped %v, the held one mapped %v", c.Len(), a.last.Len() == 0, b.last.Len() != 0)
+	if c.Len() != 2 || !u.unmapped(a.last) || u.unmapped(b.last) {
+		t.Fatalf("cache of 2: holds %d, the unused first file unmapped %v, the held one unmapped %v", c.Len(), u.unmapped(a.last), u.unmapped(b.last))
 	}
 	_, releaseD, _ := c.Read(d, idd, 4096) // both held now
 	src, release, ok := c.Read(a, ida, 4096)
 	got := make([]byte, 10)
-	if _, err := src.ReadAt(got, 0); ok || src != File(a) || err != nil {
-		t.Fatalf("every mapping held: Read mapped %v, gave the file itself %v, read error %v; want the file, unmapped", ok, src == File(a), err)
+	if _, err := src.ReadAt(got, 0); ok || src != File(a) || err != nil || a.maps != 1 {
+		t.Fatalf("every mapping held: Read mapped %v, gave the file itself %v, read error %v, mappings made %d; want the file, no new mapping", ok, src == File(a), err, a.maps)
 	}
 	release()
 	releaseB()
@@ -140,17 +173,18 @@ func TestMapCacheKeepsAtMostItsLimit(t *testing.T) {
 func TestMapCacheDropsIdleMappings(t *testing.T) {
 	c := NewMapCache(8, 20*time.Millisecond)
 	defer c.Close()
+	u := watchUnmaps(c)
 	dir := t.TempDir()
 	a, ida, _ := cachedFile(t, dir, "a", 4096)
 	b, idb, _ := cachedFile(t, dir, "b", 4096)
 	readVia(t, c, a, ida, 4096, 0, 1)
 	_, releaseB, _ := c.Read(b, idb, 4096)
-	waitFor(t, "the idle mapping dropped", func() bool { return c.Len() == 1 && a.last.Len() == 0 })
-	if b.last.Len() == 0 {
+	waitFor(t, "the idle mapping dropped", func() bool { return c.Len() == 1 && u.unmapped(a.last) })
+	if u.unmapped(b.last) {
 		t.Fatal("a mapping in use was unmapped")
 	}
 	releaseB()
-	waitFor(t, "the released mapping dropped once idle", func() bool { return c.Len() == 0 && b.last.Len() == 0 })
+	waitFor(t, "the released mapping dropped once idle", func() bool { return c.Len() == 0 && u.unmapped(b.last) })
 }
 
 // TestMapCacheReadersOutliveForgetAndClose: a reader holding a mapping
@@ -163,6 +197,7 @@ func TestMapCacheReadersOutliveForgetAndClose(t *testing.T) {
 		t.Run(end, func(t *testing.T) {
 			c := NewMapCache(8, time.Hour)
 			defer c.Close()
+			u := watchUnmaps(c)
 			f, id, want := cachedFile(t, dir, end, 3*4096)
 			src, release, ok := c.Read(f, id, 3*4096)
 			if !ok {
@@ -177,8 +212,11 @@ func TestMapCacheReadersOutliveForgetAndClose(t *testing.T) {
 			if _, err := src.ReadAt(got, 4096); err != nil || !bytes.Equal(got, want[4096:8192]) {
 				t.Fatalf("a held mapping after %s: %v", end, err)
 			}
+			if u.unmapped(f.last) {
+				t.Fatalf("a held mapping was unmapped by %s", end)
+			}
 			release()
-			if f.last.Len() != 0 {
+			if !u.unmapped(f.last) {
 				t.Fatalf("after %s and the release the mapping is still mapped", end)
 			}
 			if end == "close" {
@@ -202,6 +240,42 @@ func TestMapCacheReadersOutliveForgetAndClose(t *testing.T) {
 			t.Fatalf("a read past the truncated end: %v, want ErrMapping", err)
 		}
 	})
+}
+
+// TestMapCacheCachesNoMappingThatMayBeWrong: a file truncated between
+// the caller's fstat and its mapping, and a file forgotten while it was
+// mapped (the engine removing it), are read without a mapping, and none
+// is kept.
+func TestMapCacheCachesNoMappingThatMayBeWrong(t *testing.T) {
+	dir := t.TempDir()
+	cases := []struct {
+		name     string
+		afterMap func(c *MapCache, path string, id FileID)
+	}{
+		{"truncated", func(_ *MapCache, path string, _ FileID) {}},
+		{"forgotten", func(c *MapCache, _ string, id FileID) { c.Forget(id) }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := NewMapCache(8, time.Hour)
+			defer c.Close()
+			u := watchUnmaps(c)
+			f, id, _ := cachedFile(t, dir, tc.name, 3*4096)
+			size := int64(3 * 4096)
+			if tc.name == "truncated" {
+				if err := os.Truncate(filepath.Join(dir, tc.name), 4096); err != nil {
+					t.Fatal(err)
+				}
+			}
+			f.afterMap = func() { tc.afterMap(c, filepath.Join(dir, tc.name), id) }
+			src, release, ok := c.Read(f, id, size)
+			release()
+			if ok || src != File(f) || c.Len() != 0 || f.maps != 1 || !u.unmapped(f.last) {
+				t.Fatalf("mapped %v, the file itself %v, cached %d, mappings made %d, unmapped %v; want the file, none cached, the one made unmapped",
+					ok, src == File(f), c.Len(), f.maps, u.unmapped(f.last))
+			}
+		})
+	}
 }
 
 // waitFor waits up to 10 s for cond.

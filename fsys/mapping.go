@@ -16,7 +16,8 @@ import (
 type Mapper interface {
 	// MapRead maps the file's first n bytes, rounded up to whole pages
 	// (fewer if the file is shorter: reads past its end then return
-	// io.EOF), for reading in order, once.
+	// io.EOF), advised for reading in order (MADV_SEQUENTIAL, which
+	// leaves the pages' LRU state alone).
 	MapRead(n int64) (*Mapping, error)
 }
 
@@ -109,7 +110,8 @@ func (f *mappedFile) ReadAt(p []byte, off int64) (int, error) { return f.m.ReadA
 
 func (f *mappedFile) ReadvAt(bufs [][]byte, off int64) (int, error) { return f.m.ReadvAt(bufs, off) }
 
-// MapMin is the smallest read MapForRead maps. Every mapping is an mmap
+// MapMin is the smallest read MapForRead maps, and the smallest file a
+// MapCache is used for (by the GPU path's loads). Every mapping is an mmap
 // and an munmap, and an munmap in a process whose threads all copy
 // interrupts each of their CPUs to flush its TLB: on the H100 machine
 // (16 jobs) loads of 2 MiB files through mappings ran at half the speed of

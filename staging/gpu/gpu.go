@@ -432,7 +432,8 @@ func feedsSums(chunks []chunk) bool {
 func (m *Mover) PinnedBytes() int64 { return int64(len(m.pin.Bytes())) }
 
 // Close waits for the calls in flight, stops the registrar and releases
-// every registered file (those a job still holds included), destroys the
+// every registered file (those a job still holds included), drops the
+// loads' kept mappings (fsys.MapCache.Close), destroys the
 // idle lanes and frees the pinned pool; later calls fail with errClosed
 // or do nothing. Nothing calls CUDA once it returned: the caller may then
 // unload the runtime.
@@ -659,9 +660,11 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if write && sums == nil {
 		fused = false
 	}
+	// A memory-mount file's identity: for its registration, and a load's
+	// mapping (readSource).
 	var id fileID
 	identified := false
-	if p.Memory {
+	if p.Memory && (m.files != nil || !write) {
 		id, identified = identify(f)
 	}
 	if m.files != nil && identified {
@@ -705,8 +708,9 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 // mapCacheFiles and mapCacheIdle bound the mappings a mover keeps for
 // loads of files not registered (Mover.maps): a file's layer jobs of a
 // step come within milliseconds of each other, and the next step's
-// within seconds; a file someone else removed keeps its pages that long
-// at most after its last load.
+// within seconds. A file removed keeps its pages that long at most after
+// its last load: one the engine forgets is unmapped at once, but a load
+// that identified it just before can map it again.
 const (
 	mapCacheFiles = 1024
 	mapCacheIdle  = 5 * time.Second
@@ -720,7 +724,7 @@ const (
 // (transfer.Plan.ReadSource: smaller files are read, since a file loaded
 // once would cost a mapping and an unmapping all the same).
 func (m *Mover) readSource(f fsys.File, p *transfer.Plan, id fileID, identified bool) (fsys.File, func()) {
-	if identified && p.Memory && id.size >= fsys.MapMin {
+	if identified && id.size >= fsys.MapMin {
 		if src, release, ok := m.maps.Read(f, id.FileID, id.size); ok {
 			return src, release
 		}
