@@ -170,6 +170,17 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(modes["bound"]["loaded_bytes_reps"][-1], layerwise)
         self.assertRegex(out.stdout, r"bytes P 64 S 16 layerwise \d+ whole \d+ layerwise/whole 0\.750")
 
+    def test_a_first_load_timed_without_warm_up_still_measures_a_warm_bound(self):
+        # --warmup 0 times a first load; the bound is the hardware's, so it
+        # still runs once untimed first (and says so), the load does not.
+        out, lines, data = self.bench("--warmup", "0", "--reps", "1", "--modes", "recompute,bound,layerwise")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertEqual(sorted(lines), ["bound", "layerwise", "recompute"], out.stdout)
+        modes = data["sizes"]["64"]["modes"]
+        self.assertEqual(modes["bound"].get("untimed_runs"), 1, modes["bound"])
+        self.assertNotIn("untimed_runs", modes["layerwise"])
+        self.assertEqual((modes["bound"]["warmup_ms"], len(modes["bound"]["reps_ms"])), ([], 1))
+
     def test_llmd_mode_loads_the_prefix_through_the_engine_it_is_given(self):
         with tempfile.TemporaryDirectory() as mod:
             with open(os.path.join(mod, "storage_offload.py"), "w") as f:
