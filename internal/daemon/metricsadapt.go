@@ -54,6 +54,7 @@ func GPUFileMetrics(stats func() gpu.FileStats) func() metrics.GPUFileStats {
 			Files: f.Files, Bytes: f.Bytes, Limit: f.Limit, Queued: f.Queued,
 			Registered: f.Registered, Released: f.Released, Failed: f.Failed, Deferred: f.Deferred,
 			Warmed: f.Warmed, Waits: f.Waits, Waited: f.Waited, Stores: f.Stores, Loads: f.Loads,
+			Mapped: f.Mapped,
 		}
 	}
 }

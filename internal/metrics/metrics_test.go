@@ -81,7 +81,7 @@ func fullSources(dir, refusing string) Sources {
 		Objects:   func() ObjectStats { return ObjectStats{Keys: 3, Uploaded: 2, Gets: 5, GetBytes: 1 << 20} },
 		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
 		GPUFiles: func() GPUFileStats {
-			return GPUFileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
+			return GPUFileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond, Mapped: 3}
 		},
 		GPUStaging:      func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
 		GPUChecksumJobs: func() (uint64, uint64) { return 17, 5 },
@@ -176,6 +176,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_registered_file_bytes", nil, 6 << 25},
 		{"kvhost_gpu_registered_files_limit", nil, 100},
 		{"kvhost_gpu_file_registrations_queued", nil, 5},
+		{"kvhost_gpu_load_mapped_files", nil, 3},
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "ok"}, 9},
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "released"}, 3},
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "failed"}, 1},

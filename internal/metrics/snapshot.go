@@ -203,6 +203,7 @@ type GPUFileStats struct {
 	Waited     time.Duration // time the registrar waited so
 	Stores     uint64        // store jobs that moved a registered file directly
 	Loads      uint64        // load jobs that moved a registered file directly
+	Mapped     int           // files not registered kept mapped for their loads
 }
 
 // CuFileStats are cuFile's cached file handles.

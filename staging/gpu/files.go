@@ -177,6 +177,9 @@ type FileStats struct {
 	Waits uint64
 	// Waited is how long the registrar waited, summed over Waits.
 	Waited time.Duration
+	// Mapped is the files not registered that the mover keeps mapped for
+	// their loads now (fsys.MapCache; with registration off too).
+	Mapped int
 }
 
 // errGone: a file offered for registration was removed or replaced

@@ -808,12 +808,15 @@ func (m *Mover) PinnedUsage() (inUse, total, size int) {
 	return total - m.bufs.free(), total, m.bsize
 }
 
-// FileStats describes the registered files (zero without them).
+// FileStats describes the registered files (zero without them), and the
+// files mapped for loads.
 func (m *Mover) FileStats() FileStats {
-	if m.files == nil {
-		return FileStats{}
+	var st FileStats
+	if m.files != nil {
+		st = m.files.stats()
 	}
-	return m.files.stats()
+	st.Mapped = m.maps.Len()
+	return st
 }
 
 // writeChunk writes a gathered chunk and checksums it: fused, piece by

@@ -917,8 +917,8 @@ func TestLoadsOfAFileNotRegisteredShareOneMapping(t *testing.T) {
 			t.Fatalf("quarter %d: ReadFile = %d, %v", i, n, err)
 		}
 	}
-	if w.maps != 1 || w.reads != 0 {
-		t.Fatalf("four loads mapped the file %d times and read it %d times; want one mapping, no read", w.maps, w.reads)
+	if w.maps != 1 || w.reads != 0 || m.FileStats().Mapped != 1 {
+		t.Fatalf("four loads mapped the file %d times and read it %d times, %d kept mapped; want one mapping, kept, no read", w.maps, w.reads, m.FileStats().Mapped)
 	}
 	for l := range g.layers {
 		if !blocksEqual(kv.get(t, e.w, l), orig[l], blocks, g.pageBytes) {
@@ -926,6 +926,9 @@ func TestLoadsOfAFileNotRegisteredShareOneMapping(t *testing.T) {
 		}
 	}
 	m.Forget(id.FileID)
+	if got := m.FileStats().Mapped; got != 0 {
+		t.Fatalf("%d files kept mapped after Forget; want 0", got)
+	}
 	if _, err := m.ReadFile(context.Background(), w, quarter(0), make([]uint32, p.Sums)); err != nil {
 		t.Fatal(err)
 	}
