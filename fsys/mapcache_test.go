@@ -187,6 +187,55 @@ func TestMapCacheDropsIdleMappings(t *testing.T) {
 	waitFor(t, "the released mapping dropped once idle", func() bool { return c.Len() == 0 && u.unmapped(b.last) })
 }
 
+// TestMapCacheSweepDropsOnlyWhatWentIdle: a sweep (run here by hand, on
+// the cache's clock) drops the mappings unused for the idle time, keeps
+// the others and arms itself again for them; Close stops it.
+func TestMapCacheSweepDropsOnlyWhatWentIdle(t *testing.T) {
+	const idle = time.Hour
+	c := NewMapCache(8, idle)
+	u := watchUnmaps(c)
+	now := time.Unix(1000, 0)
+	c.now = func() time.Time { return now }
+	dir := t.TempDir()
+	a, ida, _ := cachedFile(t, dir, "a", 4096)
+	b, idb, _ := cachedFile(t, dir, "b", 4096)
+	readVia(t, c, a, ida, 4096, 0, 1) // unused from now
+	now = now.Add(idle / 2)
+	readVia(t, c, b, idb, 4096, 0, 1) // unused from half the idle time later
+	armed := func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.timer != nil
+	}
+	cases := []struct {
+		name           string
+		advance        time.Duration
+		len            int
+		aGone, bGone   bool
+		armedAfterward bool
+	}{
+		{"neither idle yet", idle / 4, 2, false, false, true},
+		{"the first idle", idle / 4, 1, true, false, true},
+		{"both idle", idle / 2, 0, true, true, false},
+	}
+	for _, tc := range cases {
+		now = now.Add(tc.advance)
+		c.sweep()
+		if c.Len() != tc.len || u.unmapped(a.last) != tc.aGone || u.unmapped(b.last) != tc.bGone || armed() != tc.armedAfterward {
+			t.Fatalf("%s: %d cached, first unmapped %v, second %v, a sweep armed %v; want %d, %v, %v, %v",
+				tc.name, c.Len(), u.unmapped(a.last), u.unmapped(b.last), armed(), tc.len, tc.aGone, tc.bGone, tc.armedAfterward)
+		}
+	}
+	readVia(t, c, a, ida, 4096, 0, 1)
+	if !armed() {
+		t.Fatal("a release armed no sweep")
+	}
+	c.Close()
+	if armed() || c.Len() != 0 {
+		t.Fatalf("after Close: a sweep armed %v, %d cached", armed(), c.Len())
+	}
+}
+
 // TestMapCacheReadersOutliveForgetAndClose: a reader holding a mapping
 // reads on after Forget and Close, which unmap it at its release; reads
 // after Close are not mapped; a file truncated under its mapping fails
