@@ -37,18 +37,40 @@ func (f *countingFile) MapRead(n int64) (*Mapping, error) {
 type unmapLog struct {
 	mu   sync.Mutex
 	done map[*Mapping]bool
+	more chan struct{} // closed and replaced at each unmap
 }
 
 // watchUnmaps makes c record its unmaps in the returned log.
 func watchUnmaps(c *MapCache) *unmapLog {
-	l := &unmapLog{done: map[*Mapping]bool{}}
+	l := &unmapLog{done: map[*Mapping]bool{}, more: make(chan struct{})}
 	c.unmap = func(m *Mapping) {
 		m.Close()
 		l.mu.Lock()
 		l.done[m] = true
+		close(l.more)
+		l.more = make(chan struct{})
 		l.mu.Unlock()
 	}
 	return l
+}
+
+// await waits up to 10 s for the cache to unmap m.
+func (l *unmapLog) await(t *testing.T, m *Mapping, what string) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		l.mu.Lock()
+		done, more := l.done[m], l.more
+		l.mu.Unlock()
+		if done {
+			return
+		}
+		select {
+		case <-more:
+		case <-deadline:
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
 }
 
 // unmapped reports whether the cache unmapped m.
@@ -179,12 +201,15 @@ func TestMapCacheDropsIdleMappings(t *testing.T) {
 	b, idb, _ := cachedFile(t, dir, "b", 4096)
 	readVia(t, c, a, ida, 4096, 0, 1)
 	_, releaseB, _ := c.Read(b, idb, 4096)
-	waitFor(t, "the idle mapping dropped", func() bool { return c.Len() == 1 && u.unmapped(a.last) })
-	if u.unmapped(b.last) {
-		t.Fatal("a mapping in use was unmapped")
+	u.await(t, a.last, "the idle mapping dropped")
+	if c.Len() != 1 || u.unmapped(b.last) {
+		t.Fatalf("after the idle mapping's drop: %d cached, the one in use unmapped %v; want 1, false", c.Len(), u.unmapped(b.last))
 	}
 	releaseB()
-	waitFor(t, "the released mapping dropped once idle", func() bool { return c.Len() == 0 && u.unmapped(b.last) })
+	u.await(t, b.last, "the released mapping dropped once idle")
+	if c.Len() != 0 {
+		t.Fatalf("%d cached after both were dropped", c.Len())
+	}
 }
 
 // TestMapCacheSweepDropsOnlyWhatWentIdle: a sweep (run here by hand, on
@@ -324,17 +349,5 @@ func TestMapCacheCachesNoMappingThatMayBeWrong(t *testing.T) {
 					ok, src == File(f), c.Len(), f.maps, u.unmapped(f.last))
 			}
 		})
-	}
-}
-
-// waitFor waits up to 10 s for cond.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
 	}
 }
