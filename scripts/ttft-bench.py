@@ -188,6 +188,10 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=0,
                     help="> 0: a gpt-oss-like hybrid, every even layer a sliding window of this many tokens (128 "
                          "as gpt-oss), the odd ones full attention, in two KV-cache groups of the connector")
+    ap.add_argument("--keep-stored", action="store_true",
+                    help="leave the prefixes stored when the run ends: a later run on the same --dir with the same "
+                         "sizes and --seed starts its daemon on them, as a restarted daemon does (its report's "
+                         "keys_present counts the keys it found stored)")
     ap.add_argument("--corrupt-stored", action="store_true",
                     help="a check of the checks (tests): flip the first payload byte of the newest file under "
                          "--dir after each store; every load mode must then say ok False")
@@ -374,16 +378,60 @@ class DaemonTrace:
         return {"file": self.path, "bytes": self.size, "seconds": self.seconds}
 
 
-def settle_reading(text):
-    """What SETTLE_METRICS read in a Prometheus exposition text: a tuple of
-    each one's sum over its series (0 where the daemon exports none, as a
-    daemon without a GPU exports no registrations)."""
-    sums = dict.fromkeys(SETTLE_METRICS, 0.0)
+def settle_reading(text, names=SETTLE_METRICS):
+    """What the metrics names (SETTLE_METRICS) read in a Prometheus
+    exposition text: a tuple of each one's sum over its series (0 where the
+    daemon exports none, as a daemon without a GPU exports no
+    registrations)."""
+    sums = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         m = re.match(r"^(\w+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if m and m[1] in sums:
             sums[m[1]] += float(m[2])
-    return tuple(sums[k] for k in SETTLE_METRICS)
+    return tuple(sums[k] for k in names)
+
+
+def registered_files(metrics_addr):
+    """How many files the daemon holds registered with CUDA now (None
+    where it cannot be asked): what a load mode's repetitions found."""
+    if not metrics_addr:
+        return None
+    import urllib.request
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
+        return int(settle_reading(r.read().decode(), ("kvhost_gpu_registered_files",))[0])
+
+
+class Registrations:
+    """The daemon's count of files registered with CUDA from its start,
+    sampled every interval on a thread of its own until stop: when a
+    daemon started on files an earlier run kept (--keep-stored) had
+    registered them, before the first load mode."""
+
+    def __init__(self, metrics_addr, t0, interval=0.1):
+        self.addr, self.t0, self.interval = metrics_addr, t0, interval
+        self.changes, self._stop = [], threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ttft-registrations", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        last = None
+        while True:
+            try:
+                n = registered_files(self.addr)
+            except OSError:
+                n = None
+            if n is not None and n != last:
+                self.changes.append([round(time.monotonic() - self.t0, 3), n])
+                last = n
+            if self._stop.wait(self.interval):
+                return
+
+    def stop(self):
+        """Ends the sampling; [[seconds since the daemon was up, files
+        registered] at each change]."""
+        self._stop.set()
+        self.thread.join(10)
+        return self.changes
 
 
 def settle(metrics_addr, still_s=0.3, limit_s=60.0, read=None):
@@ -445,6 +493,7 @@ class Bench:
     def __init__(self, a, client, socket, metrics=None):
         self.a, self.c = a, client
         self.metrics = metrics  # the daemon's metrics address (settle), None for one given by --socket
+        self.registrations = None  # a Registrations sampler, stopped as the first load mode begins
         self.dev = torch.device(a.device)
         self.cuda = self.dev.type == "cuda"
         if self.cuda:
@@ -484,7 +533,10 @@ class Bench:
             kvhost.Layer(region, offset=base + l * layer_bytes, block_stride=bb,
                          plane_stride=self.num_blocks * bb, num_blocks=self.num_blocks)
             for l in range(a.layers)])
-        self.run_id = os.urandom(4).hex()
+        # The keys' names follow the seed (as the connector's follow the
+        # tokens), so that a run on the prefixes an earlier one kept
+        # (--keep-stored) finds them; a run removes its own when it ends.
+        self.run_id = f"seed{a.seed}"
         self.connector = Connector(self, socket) if {"layerwise", "split"} & set(a.modes) else None
         self.layer_loads = bool(self.connector and self.connector.worker.counters()["layer_loads"])
         self.cold_state = {}
@@ -602,6 +654,7 @@ class Bench:
         before = data_files(a.dir) if a.dir else {}
         res = self.c.store(self.cache_id, keys, blocks).wait(a.job_timeout)
         stored = res.count(1) + res.count(2)
+        rep["keys_present"] = res.count(2)  # stored before this run's store (--keep-stored's earlier run)
         if stored != nkeys:
             raise SystemExit(f"ttft-bench: stored {stored} of {nkeys} keys: {res.outcomes()}; the first failure: "
                              f"{res.message or 'no message'}")
@@ -654,7 +707,11 @@ class Bench:
             """Times run(failures) -> (logits, tokens loaded) from poisoned
             prefix blocks, checking each repetition; trace (a DaemonTrace)
             runs from the first timed one; note adds to the mode's report."""
+            if self.registrations:
+                self.report["registrations"] = self.registrations.stop()
+                self.registrations = None
             reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
+            registered = registered_files(self.metrics) if mode in ("whole", "layerwise", "split") else None
             for i in range(a.warmup + a.reps):
                 if trace and i == a.warmup:
                     trace.start()
@@ -679,6 +736,11 @@ class Bench:
             else:
                 extra = {}
             extra.update(note or {})
+            if registered is not None:
+                # Files registered with CUDA as the first repetition began
+                # (after a restart: those the daemon registered since it
+                # opened; with --register-files 0: none).
+                extra["registered_files_at_start"] = registered
             record(mode, reps, oks, errs, {**extra, "loaded_tokens": loaded[-1], "loaded_tokens_reps": loaded[a.warmup:],
                                            "loaded_bytes_reps": nbytes[a.warmup:],
                                            "logits_equal_suffix_ceiling": as_suffix,
@@ -736,7 +798,8 @@ class Bench:
             self.llmd(p, tokens, blocks, ref, ref_kv, load_mode)
 
         self._ratios(rep)
-        self.c.delete(self.ns, keys)
+        if not a.keep_stored:
+            self.c.delete(self.ns, keys)
 
     def bound(self, p, tokens, ref_kv, load_mode):
         """The physical bound of a layer-wise hit, no daemon: the prefix's
@@ -1357,9 +1420,12 @@ def main(argv=None):
                          if a.objects else ""),
                         after_toml=a.mount_toml.replace("\\n", "\n"),
                         policy_toml=a.policy_toml.replace("\\n", "\n"))
+    up = time.monotonic()  # the daemon started here answers from now
     try:
         with kvhost.Client(daemon.socket if daemon else a.socket, name="ttft-bench", timeout=a.job_timeout) as c:
             bench = Bench(a, c, daemon.socket if daemon else a.socket, metrics)
+            if daemon and metrics:
+                bench.registrations = Registrations(metrics, up)
             layerwise = (f"layer-range loads, {a.layers_per_load} layer(s) per job ({a.layer_groups})" if bench.layer_loads else
                          "one load job (no connector, or a daemon without layer-range loads)")
             print(f"detail: model {a.layers} layers hidden {a.hidden} heads {a.heads}/{a.kv_heads}x{a.head_dim} "

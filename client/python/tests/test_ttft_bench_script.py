@@ -32,15 +32,16 @@ CPU_MODES = ["recompute", "suffix", "half", "bound", "whole", "layerwise", "spli
 
 @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
 class TestTtftBenchScript(unittest.TestCase):
-    def bench(self, *args):
-        """Runs the script on a fresh directory; returns its result, its
-        mode lines by mode, and its JSON report (None if it wrote none)."""
+    def bench(self, *args, cache=None):
+        """Runs the script on a fresh directory (or on cache, the cache
+        directory of an earlier run); returns its result, its mode lines by
+        mode, and its JSON report (None if it wrote none)."""
         tmp = tempfile.mkdtemp(prefix="kvhost-ttft-test-")
         self.addCleanup(shutil.rmtree, tmp, True)
         report = os.path.join(tmp, "report.json")
         env = dict(os.environ, KVHOST_BIN=kvhost_binary())
         out = subprocess.run([sys.executable, str(REPO / "scripts" / "ttft-bench.py"), "--dir",
-                              os.path.join(tmp, "cache"), "--json", report, *TINY, *args],
+                              cache or os.path.join(tmp, "cache"), "--json", report, *TINY, *args],
                              capture_output=True, text=True, timeout=300, env=env)
         lines = {}
         for line in out.stdout.splitlines():
@@ -180,6 +181,35 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertEqual(modes["bound"].get("untimed_runs"), 1, modes["bound"])
         self.assertNotIn("untimed_runs", modes["layerwise"])
         self.assertEqual((modes["bound"]["warmup_ms"], len(modes["bound"]["reps_ms"])), ([], 1))
+
+    def test_a_restarted_daemon_loads_the_prefix_an_earlier_run_kept_stored(self):
+        # --keep-stored leaves the prefix's files; a second run on the same
+        # directory starts its own daemon on them (a restart), finds every
+        # key stored and loads them, each load checked against its own
+        # recomputation.
+        cache = tempfile.mkdtemp(prefix="kvhost-ttft-restart-")
+        self.addCleanup(shutil.rmtree, cache, True)
+        modes = ["--modes", "recompute,whole,layerwise"]
+        first, _, data = self.bench("--keep-stored", *modes, cache=cache)
+        self.assertEqual(first.returncode, 0, first.stdout + first.stderr)
+        self.assertEqual(data["sizes"]["64"]["keys_present"], 0)
+        out, lines, data = self.bench("--warmup", "0", "--reps", "1", *modes, cache=cache)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        size = data["sizes"]["64"]
+        self.assertEqual(size["keys_present"], size["keys"], size)
+        # The daemon's registered files sampled from its start to the first
+        # load mode: none at any sample here.
+        self.assertEqual([n for _, n in data["registrations"]], [0], data["registrations"])
+        for mode in ("whole", "layerwise"):
+            with self.subTest(mode):
+                self.assertEqual(lines[mode].group(6), "True", out.stdout)
+                self.assertEqual(size["modes"][mode]["loaded_tokens"], 64)
+                # No GPU here: the daemon registers no file with CUDA.
+                self.assertEqual(size["modes"][mode]["registered_files_at_start"], 0)
+        # Without --keep-stored, the second run removed them when it ended.
+        out, _, data = self.bench("--modes", "recompute,whole", cache=cache)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertEqual(data["sizes"]["64"]["keys_present"], 0)
 
     def test_llmd_mode_loads_the_prefix_through_the_engine_it_is_given(self):
         with tempfile.TemporaryDirectory() as mod:

@@ -1,0 +1,202 @@
+package gpu
+
+import (
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/cuda"
+)
+
+// TestGPUHostSourceCopyRates measures host-to-device copy rates by where
+// the host bytes live, against one contiguous copy from cudaHostAlloc
+// memory in the same pass: memory from cudaHostAlloc, a tmpfs file mapped
+// shared and registered (as the mover keeps memory-mount files), anonymous
+// memory registered with 4 KiB pages and with transparent huge pages, and,
+// where KVHOST_GPU_HUGE_TMPFS names a directory on a tmpfs mounted with
+// huge=always, a file there. Each source is copied whole in one copy, and
+// by 16 goroutines each driving its own stream (as the mover's file slots
+// do) in 1 MiB pieces and in 32 KiB pieces to shuffled blocks, batched
+// 128 a call (a layer range of a Llama-8B-like key). It tells whether the
+// source's pages, rather than the copies' shape, keep registered loads
+// under the link. KVHOST_GPU=1 runs it (KVHOST_GPU_FAKE=1 on the fake
+// CUDA library).
+func TestGPUHostSourceCopyRates(t *testing.T) {
+	needGPU(t)
+	rep := newReport(t, ".srcrate")
+	const (
+		total   = 512 << 20
+		block   = 32 << 10
+		area    = 2 * total
+		workers = 16
+	)
+	r, _ := openGPU(t, benchCUDA(t))
+	unlock, err := r.LockDevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	dev, err := r.Malloc(0, area)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+
+	type source struct {
+		name string
+		mem  []byte
+	}
+	var sources []source
+	pinned, err := r.HostAlloc(total)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pinned.Free()
+	sources = append(sources, source{"cudaHostAlloc", pinned.Bytes()})
+	// register maps and registers mem, filled first so that every page
+	// exists, and unregisters and unmaps it when the test ends.
+	register := func(name string, mem []byte) {
+		for i := 0; i < len(mem); i += 4096 {
+			mem[i] = byte(i >> 12)
+		}
+		if err := r.HostRegister(mem); err != nil {
+			unix.Munmap(mem)
+			t.Fatalf("%s: %v", name, err)
+		}
+		t.Cleanup(func() {
+			r.HostUnregister(mem)
+			unix.Munmap(mem)
+		})
+		sources = append(sources, source{name, mem})
+	}
+	file := func(name, dir string) {
+		f, err := os.Create(filepath.Join(dir, "source"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := f.Truncate(total); err != nil {
+			t.Fatal(err)
+		}
+		mem, err := unix.Mmap(int(f.Fd()), 0, total, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+		if err != nil {
+			t.Fatal(err)
+		}
+		register(name, mem)
+	}
+	anon := func(name string, advice int) {
+		mem, err := unix.Mmap(-1, 0, total, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Madvise(mem, advice); err != nil {
+			t.Logf("%s: madvise: %v", name, err)
+		}
+		register(name, mem)
+	}
+	file("tmpfs file, registered", benchDir(t, "srcrate"))
+	if dir := os.Getenv("KVHOST_GPU_HUGE_TMPFS"); dir != "" {
+		file("huge-page tmpfs file, registered", dir)
+	}
+	anon("anonymous 4 KiB pages, registered", unix.MADV_NOHUGEPAGE)
+	anon("anonymous huge pages, registered", unix.MADV_HUGEPAGE)
+
+	streams := make([]cuda.Stream, workers)
+	for i := range streams {
+		if streams[i], err = r.NewStream(); err != nil {
+			t.Fatal(err)
+		}
+		defer r.DestroyStream(streams[i])
+	}
+	slots := rand.New(rand.NewPCG(1, 2)).Perm(area / block)
+	// pieces lists src's bytes in piece-sized copies, each to its own
+	// offset or (shuffle) to a shuffled block-sized slot's.
+	pieces := func(src []byte, piece int, shuffle bool) *cuda.Copies {
+		var c cuda.Copies
+		base := unsafeSliceAddr(src)
+		for off := 0; off < total; off += piece {
+			dst := dev.Ptr() + uintptr(off)
+			if shuffle {
+				dst = dev.Ptr() + uintptr(slots[off/block]*block)
+			}
+			c.Add(dst, base+uintptr(off), uintptr(piece))
+		}
+		return &c
+	}
+	// spread copies c by workers goroutines, each its own share (a
+	// contiguous run of pieces, as a file slot takes one file's) in
+	// batches of per on its own stream, and waits for them all.
+	spread := func(c *cuda.Copies, per int) time.Duration {
+		var start, done sync.WaitGroup
+		start.Add(1)
+		errs := make([]error, workers)
+		share := (c.Len() + workers - 1) / workers
+		for w := range workers {
+			done.Add(1)
+			go func() {
+				defer done.Done()
+				unlock, err := r.LockDevice(0)
+				if err != nil {
+					errs[w] = err
+					return
+				}
+				defer unlock()
+				start.Wait()
+				var part cuda.Copies
+				for i := w * share; i < min(c.Len(), (w+1)*share); i += per {
+					j := min(c.Len(), (w+1)*share, i+per)
+					part.Dst, part.Src, part.Size = c.Dst[i:j], c.Src[i:j], c.Size[i:j]
+					if errs[w] = r.Enqueue(&part, true, cuda.CopyAuto, streams[w]); errs[w] != nil {
+						return
+					}
+				}
+				errs[w] = r.Sync(streams[w])
+			}()
+		}
+		t0 := time.Now()
+		start.Done()
+		done.Wait()
+		d := time.Since(t0)
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		return d
+	}
+	whole := func(src []byte) time.Duration {
+		t0 := time.Now()
+		if err := r.CopyH2D(dev.Ptr(), unsafeSliceAddr(src), total, streams[0]); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Sync(streams[0]); err != nil {
+			t.Fatal(err)
+		}
+		return time.Since(t0)
+	}
+	for pass := range 3 {
+		var base float64
+		for _, s := range sources {
+			shapes := []struct {
+				name string
+				run  func() time.Duration
+			}{
+				{"one copy", func() time.Duration { return whole(s.mem) }},
+				{"1 MiB pieces, 16 streams", func() time.Duration { return spread(pieces(s.mem, 1<<20, false), 4) }},
+				{"32 KiB shuffled, 16 streams", func() time.Duration { return spread(pieces(s.mem, block, true), 128) }},
+			}
+			for _, sh := range shapes {
+				g := gbps(total, sh.run())
+				if base == 0 {
+					base = g
+				}
+				rep.printf("pass %d %-36s %-28s %5.1f GB/s (%.2f of cudaHostAlloc, one copy)", pass, s.name, sh.name, g, g/base)
+			}
+		}
+	}
+}
