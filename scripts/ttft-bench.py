@@ -37,6 +37,10 @@ last token, the device synchronized at both ends:
                layer calls wait_for_layer_load right before its attention
                (as vLLM's attention layers do), so layer i can load while
                layer i-1 computes
+    layerjobs  the same layer-wise load jobs, every layer's waited for
+               before the suffix computes: against whole, what cutting
+               the load into layer jobs costs with no forward pass beside
+               them (a diagnosis, not in the default modes)
     split      load-or-recompute: the connector's scheduler (load_split
                "auto") decides K with its cost model, whose rates are
                this run's (the load rate whole load showed, a prefill
@@ -201,7 +205,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.sizes = [int(s) for s in a.sizes.split(",") if s]
     a.modes = [m for m in a.modes.split(",") if m]
-    unknown = set(a.modes) - {"recompute", "suffix", "half", "h2d", "bound", "disk", "whole", "layerwise", "split",
+    unknown = set(a.modes) - {"recompute", "suffix", "half", "h2d", "bound", "disk", "whole", "layerwise", "layerjobs", "split",
                               "llmd"}
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}")
@@ -537,7 +541,7 @@ class Bench:
         # tokens), so that a run on the prefixes an earlier one kept
         # (--keep-stored) finds them; a run removes its own when it ends.
         self.run_id = f"seed{a.seed}"
-        self.connector = Connector(self, socket) if {"layerwise", "split"} & set(a.modes) else None
+        self.connector = Connector(self, socket) if {"layerwise", "layerjobs", "split"} & set(a.modes) else None
         self.layer_loads = bool(self.connector and self.connector.worker.counters()["layer_loads"])
         self.cold_state = {}
         self.rel_errs, self.layer_ready, self.phases, self.load_jobs = [], [], {}, []
@@ -711,7 +715,7 @@ class Bench:
                 self.report["registrations"] = self.registrations.stop()
                 self.registrations = None
             reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
-            registered = registered_files(self.metrics) if mode in ("whole", "layerwise", "split") else None
+            registered = registered_files(self.metrics) if mode in ("whole", "layerwise", "layerjobs", "split") else None
             for i in range(a.warmup + a.reps):
                 if trace and i == a.warmup:
                     trace.start()
@@ -755,7 +759,7 @@ class Bench:
                 return self.model.forward(tokens[p:], p, self.cache, self.table, window_table=self.window_table(p)), p
             load_mode("whole", whole)
 
-        if {"layerwise", "split"} & set(a.modes):
+        if {"layerwise", "layerjobs", "split"} & set(a.modes):
             conn = self.connector
             conn.save(p, self.table_list[:p // self.cfg.block_tokens])
             if a.corrupt_stored:
@@ -782,6 +786,15 @@ class Bench:
                 finally:
                     if look:
                         rep["lookups"] = look.stop()
+                    sched.shutdown()
+            if "layerjobs" in a.modes:
+                # The same layer-wise load jobs, waited for before the
+                # suffix computes: against whole, what cutting the load
+                # into layer jobs costs with no forward pass beside them.
+                sched = conn.scheduler(load_split="all")
+                try:
+                    load_mode("layerjobs", lambda f: conn.request(sched, p, tokens, f, overlap=False))
+                finally:
                     sched.shutdown()
             if "split" in a.modes and {"recompute", "suffix", "whole"} <= set(modes):
                 costs = split_costs(p, s, half, self.cfg.kv_bytes(p), modes)
@@ -931,7 +944,7 @@ class Bench:
                 if mode in med:
                     ratios[f"{mode}/max(h2d,suffix)"] = med[mode] / ceiling
         if "bound" in med:
-            for mode in ("whole", "layerwise", "split", "llmd"):
+            for mode in ("whole", "layerwise", "layerjobs", "split", "llmd"):
                 if mode in med:
                     ratios[f"{mode}/bound"] = med[mode] / med["bound"]
                     # every repetition against the bound's median: the range
@@ -1311,10 +1324,11 @@ class Connector:
         finally:
             sched.shutdown()
 
-    def request(self, sched, p, tokens, failures):
+    def request(self, sched, p, tokens, failures, overlap=True):
         """A request of the prefix and the suffix through sched and the
         worker, computing what the scheduler did not claim; returns (the
-        last token's logits, the tokens loaded)."""
+        last token's logits, the tokens loaded). overlap=False waits for
+        every layer's load before the forward pass begins."""
         b = self.bench
         self.requests += 1
         n = tokens.shape[0]
@@ -1338,8 +1352,13 @@ class Connector:
                     mark("first_wait")
                 before(i)
                 ready.append(round((time.perf_counter() - t0) * 1e3, 2))
-            out = b.model.forward(tokens[k:], k, b.cache, b.table, before_attention=wait, after_attention=after,
-                                  window_table=b.window_table(k))
+            hooks = {"before_attention": wait, "after_attention": after}
+            if not overlap:
+                for i in range(b.cfg.layers):
+                    wait(i)
+                mark("loads_waited")
+                hooks = {"after_attention": after}
+            out = b.model.forward(tokens[k:], k, b.cache, b.table, window_table=b.window_table(k), **hooks)
             mark("forward_issued")
             return out
         logits, errors, _ = self._step(sched, self._output(req, groups, k, n - k), forward, mark=mark)

@@ -114,6 +114,7 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 		defer r.DestroyStream(streams[i])
 	}
 	slots := rand.New(rand.NewPCG(1, 2)).Perm(area / block)
+	var spreadOver func(c *cuda.Copies, per, workers, nstreams int) time.Duration
 	// pieces lists src's bytes in piece-sized copies, each to its own
 	// offset or (shuffle) to a shuffled block-sized slot's.
 	pieces := func(src []byte, piece int, shuffle bool) *cuda.Copies {
@@ -131,7 +132,8 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 	// spread copies c by workers goroutines, each its own share (a
 	// contiguous run of pieces, as a file slot takes one file's) in
 	// batches of per on its own stream, and waits for them all.
-	spread := func(c *cuda.Copies, per int) time.Duration {
+	spread := func(c *cuda.Copies, per int) time.Duration { return spreadOver(c, per, workers, workers) }
+	spreadOver = func(c *cuda.Copies, per, workers, nstreams int) time.Duration {
 		var start, done sync.WaitGroup
 		start.Add(1)
 		errs := make([]error, workers)
@@ -151,6 +153,70 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 				for i := w * share; i < min(c.Len(), (w+1)*share); i += per {
 					j := min(c.Len(), (w+1)*share, i+per)
 					part.Dst, part.Src, part.Size = c.Dst[i:j], c.Src[i:j], c.Size[i:j]
+					if errs[w] = r.Enqueue(&part, true, cuda.CopyAuto, streams[w%nstreams]); errs[w] != nil {
+						return
+					}
+				}
+				errs[w] = r.Sync(streams[w%nstreams])
+			}()
+		}
+		t0 := time.Now()
+		start.Done()
+		done.Wait()
+		d := time.Since(t0)
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		return d
+	}
+	// staged copies src in 4 MiB ranges (a 4-layer range of one key's
+	// file), by workers goroutines as spread does: each range in one copy
+	// into the worker's device staging buffer, then scattered from there
+	// in 32 KiB pieces to shuffled blocks by one device-to-device batch,
+	// on the same stream. It tells what loads would reach that copy
+	// their file's bytes whole and scatter them on the device.
+	const rangeBytes = 4 << 20
+	stage, err := r.Malloc(0, workers*2*rangeBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stage.Close()
+	staged := func(src []byte) time.Duration {
+		h2d := pieces(src, rangeBytes, false)
+		perRange := rangeBytes / block
+		var d2d cuda.Copies
+		for off := 0; off < total; off += block {
+			d2d.Add(dev.Ptr()+uintptr(slots[off/block]*block), uintptr(off), block) // Src: the offset in the range's buffer, made an address below
+		}
+		var start, done sync.WaitGroup
+		start.Add(1)
+		errs := make([]error, workers)
+		share := (h2d.Len() + workers - 1) / workers
+		for w := range workers {
+			done.Add(1)
+			go func() {
+				defer done.Done()
+				unlock, err := r.LockDevice(0)
+				if err != nil {
+					errs[w] = err
+					return
+				}
+				defer unlock()
+				start.Wait()
+				var one, part cuda.Copies
+				for i, k := w*share, 0; i < min(h2d.Len(), (w+1)*share); i, k = i+1, k+1 {
+					buf := stage.Ptr() + uintptr((2*w+k%2)*rangeBytes)
+					one.Reset()
+					one.Add(buf, h2d.Src[i], rangeBytes)
+					if errs[w] = r.Enqueue(&one, true, cuda.CopyAuto, streams[w]); errs[w] != nil {
+						return
+					}
+					part.Reset()
+					for j := i * perRange; j < (i+1)*perRange; j++ {
+						part.Add(d2d.Dst[j], buf+d2d.Src[j]%rangeBytes, block)
+					}
 					if errs[w] = r.Enqueue(&part, true, cuda.CopyAuto, streams[w]); errs[w] != nil {
 						return
 					}
@@ -179,6 +245,28 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 		}
 		return time.Since(t0)
 	}
+	// How many streams the goroutines share: 16 goroutines (file slots)
+	// enqueueing onto 1, 2, 4, 8 or 16 streams, and as many goroutines as
+	// streams, from the registered tmpfs file.
+	for pass := range 2 {
+		base := gbps(total, whole(sources[1].mem))
+		for _, g := range []int{16, 0} {
+			for _, n := range []int{1, 2, 4, 8, 16} {
+				for _, sh := range []struct {
+					name  string
+					piece int
+					per   int
+				}{{"32 KiB shuffled", block, 128}, {"4 MiB pieces", rangeBytes, 1}} {
+					goroutines := g
+					if g == 0 {
+						goroutines = n
+					}
+					d := spreadOver(pieces(sources[1].mem, sh.piece, sh.piece == block), sh.per, goroutines, n)
+					rep.printf("streams pass %d %2d goroutines on %2d streams %-16s %5.1f GB/s (%.2f of one copy)", pass, goroutines, n, sh.name, gbps(total, d), gbps(total, d)/base)
+				}
+			}
+		}
+	}
 	for pass := range 3 {
 		var base float64
 		for _, s := range sources {
@@ -189,6 +277,8 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 				{"one copy", func() time.Duration { return whole(s.mem) }},
 				{"1 MiB pieces, 16 streams", func() time.Duration { return spread(pieces(s.mem, 1<<20, false), 4) }},
 				{"32 KiB shuffled, 16 streams", func() time.Duration { return spread(pieces(s.mem, block, true), 128) }},
+				{"4 MiB pieces, 16 streams", func() time.Duration { return spread(pieces(s.mem, rangeBytes, false), 1) }},
+				{"4 MiB staged, 32 KiB scattered", func() time.Duration { return staged(s.mem) }},
 			}
 			for _, sh := range shapes {
 				g := gbps(total, sh.run())

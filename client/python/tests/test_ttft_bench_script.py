@@ -87,13 +87,16 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertTrue(data["layer_loads"], "the connector loaded no layer range")
         self.assertEqual(len(size["modes"]["layerwise"]["layer_ready_ms"]), 2)  # one wait per layer
         # Its load jobs, one per layer here, timed: sent, the daemon's time,
-        # waited for, in that order.
+        # its completion received, waited for, in that order; the wait
+        # began before it returned, and returned once the completion came.
         jobs = size["modes"]["layerwise"]["load_jobs"]
         self.assertEqual([j["layers"] for j in jobs], [[0, 1], [1, 1]])
         for j in jobs:
             self.assertGreater(j["daemon_ms"], 0)
-            self.assertLessEqual(j["sent_ms"], j["waited_ms"])
-            self.assertLessEqual(j["daemon_ms"], j["waited_ms"] - j["sent_ms"] + 1.0)  # the clocks' skew, at most
+            self.assertLessEqual(j["sent_ms"], j["received_ms"])
+            self.assertLessEqual(j["daemon_ms"], j["received_ms"] - j["sent_ms"] + 1.0)  # the clocks' skew, at most
+            self.assertLessEqual(j["called_ms"], j["waited_ms"])
+            self.assertLessEqual(j["received_ms"], j["waited_ms"])
         self.assertIn(size["modes"]["split"]["loaded_tokens"], (0, 32, 64))
         self.assertIn("split/recompute", size["ratios"])
         self.assertEqual(size["modes"]["half"]["cached_tokens"], 32)
@@ -210,6 +213,24 @@ class TestTtftBenchScript(unittest.TestCase):
         out, _, data = self.bench("--modes", "recompute,whole", cache=cache)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertEqual(data["sizes"]["64"]["keys_present"], 0)
+
+    def test_layer_jobs_mode_waits_for_every_layer_before_the_forward_pass(self):
+        out, lines, data = self.bench("--modes", "recompute,bound,layerwise,layerjobs", "--lookups", "0")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertEqual(lines["layerjobs"].group(6), "True", out.stdout)
+        modes = data["sizes"]["64"]["modes"]
+        mode = modes["layerjobs"]
+        self.assertEqual(mode["loaded_tokens"], 64)
+        # Every layer's wait returned before the forward pass began (the
+        # loads_waited phase, which layerwise, waiting inside it, lacks);
+        # each job's wait began only after the one before returned.
+        self.assertEqual(len(mode["layer_ready_ms"]), 2)
+        self.assertLessEqual(max(mode["layer_ready_ms"]), mode["phases_ms"]["loads_waited"])
+        self.assertNotIn("loads_waited", modes["layerwise"]["phases_ms"])
+        jobs = mode["load_jobs"]
+        self.assertEqual([j["layers"] for j in jobs], [[0, 1], [1, 1]])
+        self.assertLessEqual(jobs[0]["waited_ms"], jobs[1]["called_ms"])
+        self.assertIn("layerjobs/bound", data["sizes"]["64"]["ratios"])
 
     def test_llmd_mode_loads_the_prefix_through_the_engine_it_is_given(self):
         with tempfile.TemporaryDirectory() as mod:

@@ -4,6 +4,7 @@ a request waiting for its answer (_Pending).
 
 import dataclasses
 import threading
+import time
 
 from . import protocol as p
 from .errors import _again
@@ -46,12 +47,17 @@ class Job:
             self._accepted.set()
         self._result = None
         self._error = None
+        # When this client's reader took the completion (time.monotonic;
+        # None before): beside the daemon's duration_ns, how long the
+        # answer took to reach this process.
+        self.ended_at = None
 
     def _accept(self, job_id):
         self.id = job_id
         self._accepted.set()
 
     def _finish(self, result, error):
+        self.ended_at = time.monotonic()
         self._result, self._error = result, error
         self._event.set()
         self._accepted.set()

@@ -222,6 +222,7 @@ class ConnectorLoads:
         if g in step.waited:
             return
         step.waited.add(g)
+        called_ms = (time.monotonic() - step.t0) * 1e3
         if step.gave_up:
             # The daemon left a group of this step unended for daemon_wait_s:
             # the later groups (the same keys' other layers, whose blocks
@@ -249,8 +250,11 @@ class ConnectorLoads:
                 continue
             step.nbytes += r.bytes
             step.daemon_s = max(step.daemon_s, r.duration_ns / 1e9)
-            step.timeline[job].update(daemon_ms=r.duration_ns / 1e6, waited_ms=(time.monotonic() - step.t0) * 1e3,
-                                      bytes=r.bytes)
+            step.timeline[job].update(daemon_ms=r.duration_ns / 1e6, called_ms=called_ms,
+                                      waited_ms=(time.monotonic() - step.t0) * 1e3, bytes=r.bytes)
+            ended_at = getattr(job, "ended_at", None)  # when its completion reached this process
+            if ended_at is not None:
+                step.timeline[job]["received_ms"] = (ended_at - step.t0) * 1e3
             if g == next(iter(step.jobs)):
                 step.first[0] += r.bytes
                 step.first[1] = max(step.first[1], r.duration_ns / 1e9)
@@ -309,7 +313,10 @@ class ConnectorLoads:
         group, layer group), its layers [first, count], and in milliseconds
         from the step's first submission: when it was sent (sent_ms), the
         daemon's time for it from submission to completion (daemon_ms: its
-        end on the daemon is near sent_ms + daemon_ms) and when its wait
-        returned (waited_ms), None for a job given up or failed; and the
-        bytes it moved. An empty list before any step loaded."""
+        end on the daemon is near sent_ms + daemon_ms), when this process's
+        reader took its completion (received_ms), when the worker began to
+        wait for its group (called_ms: a layer's wait, or finish_loads) and
+        when that wait returned (waited_ms), None for a job given up or
+        failed; and the bytes it moved. An empty list before any step
+        loaded."""
         return [dict(e) for e in self._timeline]
