@@ -715,6 +715,7 @@ class Bench:
                 self.report["registrations"] = self.registrations.stop()
                 self.registrations = None
             reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
+            first_rep = None
             registered = registered_files(self.metrics) if mode in ("whole", "layerwise", "layerjobs", "split") else None
             for i in range(a.warmup + a.reps):
                 if trace and i == a.warmup:
@@ -725,6 +726,11 @@ class Bench:
                 failures = []
                 self.loaded_bytes = None
                 ms, (logits, k) = self.timed(lambda: run(failures))
+                if i == 0 and self.load_jobs:
+                    # The first repetition's step (warm-up or not): the
+                    # connector's first request of this size.
+                    first_rep = {"ms": ms, "layer_ready_ms": self.layer_ready, "phases_ms": self.phases,
+                                 "load_jobs": self.load_jobs}
                 reps.append(ms)
                 loaded.append(k)
                 nbytes.append(self.loaded_bytes)
@@ -740,6 +746,8 @@ class Bench:
             else:
                 extra = {}
             extra.update(note or {})
+            if first_rep and a.warmup + a.reps > 1:
+                extra["first_rep"] = first_rep
             if registered is not None:
                 # Files registered with CUDA as the first repetition began
                 # (after a restart: those the daemon registered since it

@@ -68,7 +68,9 @@ class Clock:
 
 class LoadRateRecoveryTest(unittest.TestCase):
     """A learned load rate has a way back: unmeasured, it returns to the
-    configured one, so a split that stopped claiming claims again."""
+    last good rate (the configured one where that is higher), so a split
+    that stopped claiming claims again, and a healthy rate is not pulled
+    down to a configured one far below it."""
 
     PROMPT, HIT, CHUNK = 32768 + 512, 32768, 256
 
@@ -94,13 +96,50 @@ class LoadRateRecoveryTest(unittest.TestCase):
         m.observe_load(4_000_000_000, 1.0)
         self.assertAlmostEqual(m.load_gbps, 3.0, places=6)  # 2 + 0.5 * (4 - 2), not 1.5 + ...
 
-    def test_a_rate_above_the_configured_one_also_returns(self):
+    def test_a_rate_above_the_last_good_one_returns_to_it(self):
         clock = Clock()
         m = model(recover_s=5.0, clock=clock, alpha=1.0)
         m.observe_load(20_000_000_000, 1.0)
         self.assertAlmostEqual(m.load_gbps, 20.0, places=6)
+        self.assertAlmostEqual(m.good_gbps, 11.0, places=6)  # the mean of the configured 2 and the measured 20
         clock.now += 5.0
+        self.assertAlmostEqual(m.load_gbps, 15.5, places=6)  # half way back to 11
+        clock.now += 1e6
         self.assertAlmostEqual(m.load_gbps, 11.0, places=6)
+
+    def test_an_idle_spell_after_healthy_loads_keeps_the_healthy_rate_and_the_whole_claim(self):
+        # A memory mount measured at 40 GB/s, then nothing loaded for a
+        # long while: the rate stays near 40, where the configured 2 GB/s
+        # would recompute most of a long prefix at the next request.
+        clock = Clock()
+        m = model(recover_s=30.0, clock=clock, alpha=0.2)
+        for _ in range(50):
+            m.observe_load(40_000_000_000, 1.0)
+        clock.now += 1e6
+        self.assertGreater(m.load_gbps, 38.0)
+        self.assertEqual(m.split(self.PROMPT, 0, self.HIT, self.CHUNK), self.HIT)
+        configured = model(recover_s=30.0, clock=clock)
+        self.assertLess(configured.split(self.PROMPT, 0, self.HIT, self.CHUNK), self.HIT / 2)
+
+    def test_a_freeze_after_healthy_loads_returns_to_the_healthy_rate(self):
+        clock = Clock()
+        m = model(recover_s=30.0, clock=clock, alpha=0.5)
+        for _ in range(100):
+            m.observe_load(40_000_000_000, 1.0)
+        m.observe_load(1_000_000, 1.0)  # one load given up on a frozen daemon: 1 MB/s
+        self.assertLess(m.load_gbps, 21.0)
+        self.assertGreater(m.good_gbps, 35.0)  # one freeze barely moves the last good rate
+        clock.now += 1e6
+        self.assertAlmostEqual(m.load_gbps, m.good_gbps, places=6)
+
+    def test_a_mount_that_stayed_slow_returns_to_the_configured_rate(self):
+        clock = Clock()
+        m = model(recover_s=30.0, clock=clock, alpha=0.2)
+        for _ in range(200):
+            m.observe_load(500_000_000, 1.0)  # 0.5 GB/s, below the configured 2
+        self.assertLess(m.good_gbps, 0.6)
+        clock.now += 1e6
+        self.assertAlmostEqual(m.load_gbps, 2.0, places=6)
 
     def test_recover_s_zero_keeps_the_learned_rate(self):
         clock = Clock()

@@ -91,6 +91,10 @@ class TestTtftBenchScript(unittest.TestCase):
         # began before it returned, and returned once the completion came.
         jobs = size["modes"]["layerwise"]["load_jobs"]
         self.assertEqual([j["layers"] for j in jobs], [[0, 1], [1, 1]])
+        # The first repetition's step too (the warm-up here), as timed.
+        first = size["modes"]["layerwise"]["first_rep"]
+        self.assertEqual(first["ms"], size["modes"]["layerwise"]["warmup_ms"][0])
+        self.assertEqual([j["layers"] for j in first["load_jobs"]], [[0, 1], [1, 1]])
         for j in jobs:
             self.assertGreater(j["daemon_ms"], 0)
             self.assertLessEqual(j["sent_ms"], j["received_ms"])

@@ -354,6 +354,35 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
         self.assertLess(claims[0], self.WHOLE, f"the first healthy load was not of the shrunk claim: {claims}")
         self.assertEqual(self.rows(kv, sets[(len(claims) - 1) % 2][:4 * BPC]), want)
 
+    def test_an_idle_spell_after_healthy_loads_keeps_the_whole_claim_a_slow_configured_rate_would_not(self):
+        # The configured rate prices the prefix's load at 0.3 s (a slow
+        # mount's, as above): the first claim is short of the
+        # whole prefix. The daemon's healthy loads raise the rate until
+        # the claim is the whole prefix; then nothing is loaded for a
+        # while, and the rate returns to the last good one (the healthy
+        # loads'), not to the configured one: the claim stays whole.
+        whole_bytes = self.WHOLE * len(NAMES) * HEADS * HEAD * 2 * 2  # K and V, bf16
+        costs = dict(self.COSTS, load_gbps=whole_bytes / 0.3 / 1e9)
+        sched, worker, kv = self.engine(seed=14, load_rate_recover_s=0.5, **costs)
+        src = list(range(1, 1 + self.NBLK))
+        self.save_prompt(sched, worker, self.request("a", "kvc-idle", self.NBLK), src)
+        sets = [list(range(12, 12 + self.NBLK)), list(range(24, 24 + self.NBLK))]
+        claims = []
+        for i in range(20):
+            dst = sets[i % 2]
+            n, out = self.load_claim(sched, worker, self.request(f"load{i}", "kvc-idle", self.NBLK), dst)
+            claims.append(n)
+            self.assertEqual(out.invalid_block_ids, set())
+            if n == self.WHOLE:
+                break
+        self.assertLess(claims[0], self.WHOLE, f"the configured rate claimed the whole prefix: {claims}")
+        self.assertEqual(claims[-1], self.WHOLE, f"the healthy loads did not bring the whole claim: {claims}")
+        cost = sched.cost_model
+        self.assertGreater(cost.good_gbps, costs["load_gbps"])
+        d.wait_for(lambda: abs(cost.load_gbps - cost.good_gbps) < 0.01 * cost.good_gbps,
+                   what="the unmeasured rate to return to the last good one")
+        self.assertEqual(self.claim(sched, self.request("after", "kvc-idle", self.NBLK)), self.WHOLE)
+
 
 def free_port():
     """A TCP port of 127.0.0.1 free now (for the daemon's metrics listener)."""

@@ -51,7 +51,7 @@ OPTIONS = {
     "prefill_fixed_ms": 0.0,    # prefill model: fixed cost of a step
     "split_min_gain": 0.05,     # recompute a cached token only to save more than this fraction of TTFT
     "load_rate_alpha": 0.2,     # EWMA weight of a measured load in the rate
-    "load_rate_recover_s": 30.0,  # unmeasured, the learned rate moves half way back to load_gbps per this (0: never)
+    "load_rate_recover_s": 30.0,  # unmeasured, the learned rate moves half way back to the last good one per this (0: never)
     "tensor_layout": "blocks",  # "blocks": (num_blocks, ...) per layer; "planes": (2, num_blocks, ...)
     "page_layout": None,        # the workers' page byte order ("FLASH_ATTN/NHD"), where not the default's
     "page_bytes": None,         # bytes per layer and GPU block, where the config cannot say

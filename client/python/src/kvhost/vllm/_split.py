@@ -35,9 +35,16 @@ GPU faster or slower than the configured one moves the split.
 
 Only loads measure the rate, and a low rate claims fewer tokens: a rate
 learned during a slow episode could stop the loads that would measure
-its end. So the learned rate drifts back to the configured one while no
-load is measured (half of the way every recover_s seconds): a split
-that stopped loading claims again, and its loads measure the rate anew.
+its end. So the learned rate drifts back while no load is measured (half
+of the way every recover_s seconds): a split that stopped loading claims
+again, and its loads measure the rate anew. It drifts back to the last
+good rate, a slow average of every measurement (their mean over the
+first few, then an EWMA of a quarter of alpha's weight), or the
+configured one where that is higher: a freeze after many healthy loads
+returns to the healthy rate, not to a configured rate far below it (a
+memory mount measured at 40 GB/s would otherwise recompute half of a
+long prefix after an idle minute, priced at a disk's 2 GB/s), and a
+mount that stayed slow returns to the configured rate.
 
 Under pipeline parallelism (stages) every stage loads its own layers on
 its own GPU from the step's start, in parallel, while the suffix's
@@ -104,7 +111,8 @@ class CostModel:
     only where it saves more than this fraction of the TTFT (the tokens
     recomputed cost the GPU's time for other requests too). recover_s:
     while no load is measured, the learned rate moves half of the way
-    back to load_gbps every recover_s seconds (0: never). clock: the
+    back to the last good rate (good_gbps; load_gbps where that is
+    higher) every recover_s seconds (0: never). clock: the
     monotonic clock in seconds (tests pass their own). layers: the
     layers a load is cut across (1: no pipeline, the max of load and
     compute); layers_per_load: the most layers in one load job; shape:
@@ -144,6 +152,7 @@ class CostModel:
         self.latency_observed = 0  # load latencies taken in
         self._prior = float(load_gbps) * 1e9  # bytes per second: the configured rate
         self._learned = self._prior  # the rate as of the last measurement
+        self._good = self._prior  # the last good rate: a slow average of the measured ones (observe_load)
         self._latency_prior = self._latency_learned = float(load_latency_s)
         self._latency_at = clock()
         self.recover_s = float(recover_s)
@@ -186,11 +195,19 @@ class CostModel:
     @property
     def _rate(self):
         """The load rate in bytes per second: the learned one, moved back
-        towards the configured one for the time no load was measured."""
-        if self.recover_s <= 0 or self._learned == self._prior:
+        towards the last good one (or the configured one, where higher)
+        for the time no load was measured."""
+        target = max(self._prior, self._good)
+        if self.recover_s <= 0 or self._learned == target:
             return self._learned
         age = max(0.0, self._clock() - self._measured_at)
-        return self._prior + (self._learned - self._prior) * 0.5 ** (age / self.recover_s)
+        return target + (self._learned - target) * 0.5 ** (age / self.recover_s)
+
+    @property
+    def good_gbps(self):
+        """The last good load rate in GB/s: what the rate returns to while
+        no load is measured (with the configured one, where higher)."""
+        return self._good / 1e9
 
     @property
     def load_latency_s(self):
@@ -236,6 +253,10 @@ class CostModel:
             self._learned = now + self.alpha * (nbytes / seconds - now)
             self._measured_at = self._clock()
             self.observed += 1
+            # The last good rate: the mean of the configured rate and the
+            # measurements over the first few, then a slow EWMA, so that
+            # one freeze barely moves it and a lasting change does.
+            self._good += max(self.alpha / 4, 1 / (self.observed + 1)) * (nbytes / seconds - self._good)
 
     @property
     def prefill_scale(self):
