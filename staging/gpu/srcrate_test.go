@@ -129,16 +129,15 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 		}
 		return &c
 	}
-	// spread copies c by workers goroutines, each its own share (a
-	// contiguous run of pieces, as a file slot takes one file's) in
-	// batches of per on its own stream, and waits for them all.
-	spread := func(c *cuda.Copies, per int) time.Duration { return spreadOver(c, per, workers, workers) }
-	spreadOver = func(c *cuda.Copies, per, workers, nstreams int) time.Duration {
+	// fanOut runs fn(w, share) on n goroutines, each with the device
+	// current, released at once, and returns how long they took; share
+	// is how many of count items each takes (w's: [w·share, (w+1)·share)).
+	fanOut := func(n, count int, fn func(w, share int) error) time.Duration {
 		var start, done sync.WaitGroup
 		start.Add(1)
-		errs := make([]error, workers)
-		share := (c.Len() + workers - 1) / workers
-		for w := range workers {
+		errs := make([]error, n)
+		share := (count + n - 1) / n
+		for w := range n {
 			done.Add(1)
 			go func() {
 				defer done.Done()
@@ -149,15 +148,7 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 				}
 				defer unlock()
 				start.Wait()
-				var part cuda.Copies
-				for i := w * share; i < min(c.Len(), (w+1)*share); i += per {
-					j := min(c.Len(), (w+1)*share, i+per)
-					part.Dst, part.Src, part.Size = c.Dst[i:j], c.Src[i:j], c.Size[i:j]
-					if errs[w] = r.Enqueue(&part, true, cuda.CopyAuto, streams[w%nstreams]); errs[w] != nil {
-						return
-					}
-				}
-				errs[w] = r.Sync(streams[w%nstreams])
+				errs[w] = fn(w, share)
 			}()
 		}
 		t0 := time.Now()
@@ -171,6 +162,24 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 		}
 		return d
 	}
+	// spreadOver copies c by workers goroutines, each its own share (a
+	// contiguous run of pieces, as a file slot takes one file's) in
+	// batches of per on stream w mod nstreams, and waits for them all;
+	// spread gives each goroutine a stream of its own.
+	spreadOver = func(c *cuda.Copies, per, workers, nstreams int) time.Duration {
+		return fanOut(workers, c.Len(), func(w, share int) error {
+			var part cuda.Copies
+			for i := w * share; i < min(c.Len(), (w+1)*share); i += per {
+				j := min(c.Len(), (w+1)*share, i+per)
+				part.Dst, part.Src, part.Size = c.Dst[i:j], c.Src[i:j], c.Size[i:j]
+				if err := r.Enqueue(&part, true, cuda.CopyAuto, streams[w%nstreams]); err != nil {
+					return err
+				}
+			}
+			return r.Sync(streams[w%nstreams])
+		})
+	}
+	spread := func(c *cuda.Copies, per int) time.Duration { return spreadOver(c, per, workers, workers) }
 	// staged copies src in 4 MiB ranges (a 4-layer range of one key's
 	// file), by workers goroutines as spread does: each range in one copy
 	// into the worker's device staging buffer, then scattered from there
@@ -186,54 +195,26 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 	staged := func(src []byte) time.Duration {
 		h2d := pieces(src, rangeBytes, false)
 		perRange := rangeBytes / block
-		var d2d cuda.Copies
-		for off := 0; off < total; off += block {
-			d2d.Add(dev.Ptr()+uintptr(slots[off/block]*block), uintptr(off), block) // Src: the offset in the range's buffer, made an address below
-		}
-		var start, done sync.WaitGroup
-		start.Add(1)
-		errs := make([]error, workers)
-		share := (h2d.Len() + workers - 1) / workers
-		for w := range workers {
-			done.Add(1)
-			go func() {
-				defer done.Done()
-				unlock, err := r.LockDevice(0)
-				if err != nil {
-					errs[w] = err
-					return
+		return fanOut(workers, h2d.Len(), func(w, share int) error {
+			var one, part cuda.Copies
+			for i, k := w*share, 0; i < min(h2d.Len(), (w+1)*share); i, k = i+1, k+1 {
+				buf := stage.Ptr() + uintptr((2*w+k%2)*rangeBytes)
+				one.Reset()
+				one.Add(buf, h2d.Src[i], rangeBytes)
+				if err := r.Enqueue(&one, true, cuda.CopyAuto, streams[w]); err != nil {
+					return err
 				}
-				defer unlock()
-				start.Wait()
-				var one, part cuda.Copies
-				for i, k := w*share, 0; i < min(h2d.Len(), (w+1)*share); i, k = i+1, k+1 {
-					buf := stage.Ptr() + uintptr((2*w+k%2)*rangeBytes)
-					one.Reset()
-					one.Add(buf, h2d.Src[i], rangeBytes)
-					if errs[w] = r.Enqueue(&one, true, cuda.CopyAuto, streams[w]); errs[w] != nil {
-						return
-					}
-					part.Reset()
-					for j := i * perRange; j < (i+1)*perRange; j++ {
-						part.Add(d2d.Dst[j], buf+d2d.Src[j]%rangeBytes, block)
-					}
-					if errs[w] = r.Enqueue(&part, true, cuda.CopyAuto, streams[w]); errs[w] != nil {
-						return
-					}
+				part.Reset()
+				for j := i * perRange; j < (i+1)*perRange; j++ {
+					off := j * block // the piece's offset in src, and in the range's buffer modulo rangeBytes
+					part.Add(dev.Ptr()+uintptr(slots[off/block]*block), buf+uintptr(off%rangeBytes), block)
 				}
-				errs[w] = r.Sync(streams[w])
-			}()
-		}
-		t0 := time.Now()
-		start.Done()
-		done.Wait()
-		d := time.Since(t0)
-		for _, err := range errs {
-			if err != nil {
-				t.Fatal(err)
+				if err := r.Enqueue(&part, true, cuda.CopyAuto, streams[w]); err != nil {
+					return err
+				}
 			}
-		}
-		return d
+			return r.Sync(streams[w])
+		})
 	}
 	whole := func(src []byte) time.Duration {
 		t0 := time.Now()
