@@ -63,7 +63,7 @@ func TestStatsBudgetsSection(t *testing.T) {
 
 // TestStatsOfADaemonBeforeBudgetsHasNone: a reply that ends after the
 // caches section (a daemon that predates the budgets section) decodes,
-// with Budgets nil; bytes after the budgets section (a later daemon's)
+// with Budgets nil; bytes after the classes section (a later daemon's)
 // are ignored.
 func TestStatsOfADaemonBeforeBudgetsHasNone(t *testing.T) {
 	old := budgetStats(&DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
@@ -75,10 +75,10 @@ func TestStatsOfADaemonBeforeBudgetsHasNone(t *testing.T) {
 	if st := got.(*Stats); st.Daemon.Budgets != nil || !reflect.DeepEqual(st, old) {
 		t.Fatalf("decoded %+v (budgets %+v), want %+v without budgets", st, st.Daemon.Budgets, old)
 	}
-	later := budgetStats(&DaemonStats{Mounts: []MountInfo{{}}, Budgets: []BudgetStats{{Model: "m", Used: 1}}}, &NamespaceList{})
+	later := budgetStats(&DaemonStats{Mounts: []MountInfo{{Class: "memory"}}, Budgets: []BudgetStats{{Model: "m", Used: 1}}}, &NamespaceList{})
 	got, err = Decode(TypeStats|TypeReply, append(later.AppendBody(nil), 0xde, 0xad))
 	if err != nil || !reflect.DeepEqual(got, later) {
-		t.Fatalf("a reply with a section after the budgets: %v, %+v; want %+v", err, got, later)
+		t.Fatalf("a reply with a section after the classes: %v, %+v; want %+v", err, got, later)
 	}
 }
 
@@ -110,5 +110,49 @@ func TestStatsBudgetsBounds(t *testing.T) {
 		if _, err := Decode(TypeStats|TypeReply, body); err == nil {
 			t.Errorf("budgets section %s decoded", name)
 		}
+	}
+}
+
+// TestStatsClassesSection: each mount's device class round-trips after
+// the budgets section; a reply that ends before it (a daemon that
+// predates it) leaves the classes empty; a count other than the mounts'
+// and a name over maxClassName bytes are refused.
+func TestStatsClassesSection(t *testing.T) {
+	mounts := []MountInfo{{Path: "/dev/shm/kv", Class: "memory"}, {Path: "/nvme/kv", Class: "nvme"}}
+	sent := budgetStats(&DaemonStats{Mounts: mounts, Budgets: []BudgetStats{}}, &NamespaceList{})
+	sent.Mounts = []MountStats{{Capacity: 10}, {Capacity: 20}}
+	sent.Spares.Mounts, sent.Tiering.Mounts, sent.StoresFailing = []SpareMount{{}, {}}, []TierMount{{}, {}}, []MountFailure{{}, {}}
+	b := sent.AppendBody(nil)
+	got, err := Decode(TypeStats|TypeReply, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, sent) {
+		t.Fatalf("decoded %+v, want %+v", got.(*Stats).Daemon.Mounts, mounts)
+	}
+	section := 4 + 1 + len("memory") + 1 + len("nvme")
+	got, err = Decode(TypeStats|TypeReply, b[:len(b)-section])
+	if err != nil {
+		t.Fatalf("a reply of a daemon before the classes section: %v", err)
+	}
+	for i, mt := range got.(*Stats).Daemon.Mounts {
+		if mt.Class != "" {
+			t.Errorf("mount %d: class %q from a reply without the section", i, mt.Class)
+		}
+	}
+	for _, tc := range []struct {
+		name, want string
+		body       []byte
+	}{
+		{"one class for two mounts", "classes section of 1 mounts after 2",
+			append(appendU32(b[:len(b)-section:len(b)-section], 1), 6, 'm', 'e', 'm', 'o', 'r', 'y')},
+		{"a name too long", "mount class length 17",
+			append(append(appendU32(b[:len(b)-section:len(b)-section], 2), 17), []byte(strings.Repeat("x", 17)+"\x04nvme")...)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := Decode(TypeStats|TypeReply, tc.body); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("decode: %v, want an error naming %q", err, tc.want)
+			}
+		})
 	}
 }

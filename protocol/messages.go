@@ -938,7 +938,15 @@ type MountInfo struct {
 	Checksums  bool   // payload checksums are written and verified
 	Configured uint64 // configured capacity (0: the file system's size)
 	Reserve    uint64 // bytes left free on the file system
+	// Class is the mount's device class, configured or detected
+	// ("memory", "nvme", "ssd", "hdd", "network", "unknown"), from the
+	// classes section; "" from a daemon that predates it. A client takes
+	// a name it does not know for "unknown".
+	Class string
 }
+
+// maxClassName bounds a device class's name in the classes section.
+const maxClassName = 16
 
 // Bounds of DaemonStats strings.
 const (
@@ -1104,6 +1112,9 @@ func (m *Stats) AppendBody(b []byte) []byte {
 					}
 					if m.Daemon.Budgets != nil {
 						b = appendBudgets(b, m.Daemon)
+						if hasClasses(m.Daemon.Mounts) {
+							b = appendClasses(b, m.Daemon.Mounts)
+						}
 					}
 				}
 			}
@@ -1199,11 +1210,48 @@ func (m *Stats) DecodeBody(b []byte) error {
 		if d.err == nil && len(d.b) > 0 {
 			decodeBudgets(&d, m.Daemon)
 		}
+		if d.err == nil && len(d.b) > 0 {
+			decodeClasses(&d, m.Daemon)
+		}
 	}
-	// Bytes after the budgets section are sections of a later daemon,
+	// Bytes after the classes section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err
+}
+
+// hasClasses reports whether any of mounts has its device class set:
+// the classes section is sent then.
+func hasClasses(mounts []MountInfo) bool {
+	for _, mt := range mounts {
+		if mt.Class != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// appendClasses encodes the classes section: u32 count (the daemon
+// section's mounts) | per mount: str8 device class.
+func appendClasses(b []byte, mounts []MountInfo) []byte {
+	b = appendU32(b, uint32(len(mounts)))
+	for _, mt := range mounts {
+		b = appendStr8(b, mt.Class, maxClassName)
+	}
+	return b
+}
+
+// decodeClasses decodes the classes section into m's mounts (a reply of
+// a daemon that predates it ends before it).
+func decodeClasses(d *decoder, m *DaemonStats) {
+	n := int(d.u32("class count"))
+	if d.err == nil && n != len(m.Mounts) {
+		d.fail("classes section of %d mounts after %d", n, len(m.Mounts))
+		return
+	}
+	for i := 0; d.err == nil && i < n; i++ {
+		m.Mounts[i].Class = d.str8("mount class", maxClassName)
+	}
 }
 
 // EmptyNamespacesBytes is the encoded size of a namespaces section that

@@ -221,11 +221,11 @@ func TestRejects(t *testing.T) {
 }
 
 // TestStatsIgnoresSectionsItDoesNotKnow: bytes after the last section it
-// knows (budgets; a later daemon's sections) are ignored, and
+// knows (classes; a later daemon's sections) are ignored, and
 // everything before them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}},
-		Daemon:        &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}, Budgets: []BudgetStats{{Model: "m", Used: 1}}},
+		Daemon:        &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv", Class: "ssd"}}, Budgets: []BudgetStats{{Model: "m", Used: 1}}},
 		Devices:       []DeviceStats{{Ordinal: 0, UUID: [16]byte{7}, Faults: 1}},
 		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4},
 		Tiering:       &TierStats{Demotions: 5, Mounts: []TierMount{{MovedIn: 1}}},
@@ -498,7 +498,7 @@ func goldenStats() *Stats {
 		Mounts:  []MountStats{{Capacity: 10, Used: 5, Entries: 1, Direct: true}},
 		Devices: []DeviceStats{{Ordinal: 0, Regions: 1, Registered: 4096, Limit: 1 << 30, UUID: [16]byte{0: 0xA, 15: 0xA}}, {Ordinal: 1, Limit: 1 << 30, Faults: 3}},
 		Daemon: &DaemonStats{Started: 1, Policy: "lru", PolicyBackend: "wasm", FallbackReason: "none", LastReload: "ok",
-			Mounts:  []MountInfo{{Path: "/dev/shm/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 30}},
+			Mounts:  []MountInfo{{Path: "/dev/shm/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 30, Class: "memory"}},
 			Budgets: []BudgetStats{{Model: "vllm:m:*", Used: 16, Budget: 17, Floor: 18, Over: 19, Kept: 20}}},
 		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 5},
 		Tiering:       &TierStats{Demotions: 1, Promotions: 2, Moves: 3, MoveFailures: 4, DemotionDeletes: 5, Mounts: []TierMount{{MovedIn: 6, MovedOut: 7}}, FallbackPolicy: "lru"},

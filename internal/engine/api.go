@@ -565,12 +565,15 @@ type MountStats struct {
 	// resolved and grown after larger bursts of stores; 0 where it makes
 	// none).
 	Preallocate int64
-	Direct      bool   // O_DIRECT is used on this mount
-	Memory      bool   // a memory file system (tmpfs): the kernel's I/O is a CPU copy
-	IO          string // "direct" or "buffered"
-	Backend     string // the data mover of host memory on this mount ("staging")
-	Checksums   bool   // payload checksums are written and verified
-	Layout      string // LayoutKVHost or LayoutVLLMFS
+	Direct      bool // O_DIRECT is used on this mount
+	Memory      bool // a memory file system (tmpfs): the kernel's I/O is a CPU copy
+	// Class is the mount's device class, configured (Mount.DeviceClass)
+	// or detected: "memory", "nvme", "ssd", "hdd", "network" or "unknown".
+	Class     string
+	IO        string // "direct" or "buffered"
+	Backend   string // the data mover of host memory on this mount ("staging")
+	Checksums bool   // payload checksums are written and verified
+	Layout    string // LayoutKVHost or LayoutVLLMFS
 	// MovedIn and MovedOut count the files moved to and from the mount
 	// between tiers (demotions, promotions, tick moves).
 	MovedIn, MovedOut uint64

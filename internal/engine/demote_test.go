@@ -502,7 +502,7 @@ func TestDedupeCountsACopyItCouldNotRemove(t *testing.T) {
 
 // TestMountDescriptions: the policy receives every mount's description at
 // Open (capacity, watermarks, class, file system, backend) and an update
-// once usage changes.
+// once usage changes; Stats names each mount's class.
 func TestMountDescriptions(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true)
@@ -523,6 +523,11 @@ func TestMountDescriptions(t *testing.T) {
 		if r.Mount != uint32(i) || r.Capacity != uint64(want.capacity) || r.Class != want.class || r.Used != 0 || r.Free != r.Capacity ||
 			r.High != uint64(float64(want.capacity)*0.95) || r.FSType == 0 || r.BackendString() != "staging" {
 			t.Errorf("mount %d: %+v (fs %q, backend %q)", i, r, r.FSNameString(), r.BackendString())
+		}
+	}
+	for i, want := range []string{"nvme", "network"} {
+		if got := e.Stats().Mounts[i].Class; got != want {
+			t.Errorf("Stats: mount %d class %q, want %q", i, got, want)
 		}
 	}
 	ns, err := e.Declare(ctx, g)

@@ -375,7 +375,7 @@ func (e *Engine) Stats() Stats {
 		s.Mounts = append(s.Mounts, MountStats{
 			Path: m.root, Capacity: sp.Capacity, Configured: sp.Configured, Reserve: sp.Reserve, Used: sp.Used, Entries: sp.Entries,
 			SpareFiles: sp.SpareFiles, SpareBytes: sp.SpareBytes, Preallocate: sp.Ahead,
-			Direct: m.direct, Memory: m.memory, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
+			Direct: m.direct, Memory: m.memory, Class: className(m.desc.class), IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 			MovedIn: sp.MovedIn, MovedOut: sp.MovedOut, StoresFailing: m.storeFailure(),
 		})
 		if m.readers != nil {

@@ -112,7 +112,7 @@ func (s *Server) daemonStats(mounts []engine.MountStats, budgets []engine.Budget
 	d.Mounts = nil
 	for _, mt := range mounts {
 		d.Mounts = append(d.Mounts, protocol.MountInfo{Path: mt.Path, Backend: mt.Backend, IO: mt.IO, Checksums: mt.Checksums,
-			Configured: uint64(max(mt.Configured, 0)), Reserve: uint64(max(mt.Reserve, 0))})
+			Configured: uint64(max(mt.Configured, 0)), Reserve: uint64(max(mt.Reserve, 0)), Class: mt.Class})
 	}
 	d.Budgets = budgetList(budgets)
 	return &d

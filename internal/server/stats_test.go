@@ -13,7 +13,7 @@ import (
 
 // TestStatsDaemonSection: a Stats reply carries the daemon section —
 // Config.Daemon's fields, every connection's regions and the engine's
-// mounts with their paths — and Server.Stats counts clients and regions of
+// mounts with their paths and device classes — and Server.Stats counts clients and regions of
 // all connections.
 func TestStatsDaemonSection(t *testing.T) {
 	f := newFixture(t, server.Config{Daemon: func() protocol.DaemonStats {
@@ -39,6 +39,8 @@ func TestStatsDaemonSection(t *testing.T) {
 		t.Errorf("daemon regions %d (%d bytes), want both connections' 2", d.Regions, d.RegisteredBytes)
 	case len(d.Mounts) != 1 || d.Mounts[0].Path != f.dir || d.Mounts[0].Backend != "staging" || d.Mounts[0].IO == "":
 		t.Errorf("mounts %+v, want one at %s", d.Mounts, f.dir)
+	case d.Mounts[0].Class == "" || d.Mounts[0].Class != f.eng.Stats().Mounts[0].Class:
+		t.Errorf("mount class %q, want the engine's %q", d.Mounts[0].Class, f.eng.Stats().Mounts[0].Class)
 	case st.Regions != 1:
 		t.Errorf("connection regions %d, want its own 1", st.Regions)
 	}

@@ -922,7 +922,8 @@ class TestStats(unittest.TestCase):
         body += struct.pack("<I4xQQQ", 1, 0, 0, 1 << 30)
         st = p.decode_stats(body)
         self.assertEqual(st["inflight_jobs"], 15)
-        self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True}])
+        self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True,
+                                         "device_class": None}])  # an older daemon: no classes section
         self.assertEqual(st["devices"], [
             {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": None, "faults": 0},
             {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None, "faults": 0}])
@@ -933,13 +934,24 @@ class TestStats(unittest.TestCase):
         with open(os.path.join(os.path.dirname(__file__), "testdata", "stats.bin"), "rb") as f:
             st = p.decode_stats(f.read())
         self.assertEqual((st["entries"], st["keys"], st["clients"], st["inflight_jobs"]), (1, 2, 3, 4))
-        self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True}])
+        self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True,
+                                         "device_class": "memory"}])
         self.assertEqual(st["devices"], [
             {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": b"\x0a" + bytes(14) + b"\x0a", "faults": 0},
             {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None, "faults": 3}])
         self.assertEqual(st["namespaces"], {"list": [
             {"fingerprint": 11, "model": "vllm:m:0", "declared": True, "files": 12, "keys": 13, "bytes": 14,
              "caches": 15}], "left_out": 0})
+
+    def test_a_class_name_this_client_does_not_know_reads_unknown(self):
+        with open(os.path.join(os.path.dirname(__file__), "testdata", "stats.bin"), "rb") as f:
+            body = f.read()
+        assert body.endswith(b"\x06memory")  # the golden reply's classes section ends the reply
+        st = p.decode_stats(body[:-7] + b"\x05tapes")
+        self.assertEqual(st["mounts"][0]["device_class"], "unknown")
+        # Cut inside the section: no class, the rest decoded.
+        st = p.decode_stats(body[:-3])
+        self.assertEqual((st["mounts"][0]["device_class"], st["namespaces"]["list"][0]["caches"]), (None, 15))
 
     def test_a_reply_without_the_namespaces_section_says_none(self):
         # An older daemon's reply: the device-faults section is its last.

@@ -132,6 +132,20 @@ class LoadRateRecoveryTest(unittest.TestCase):
         clock.now += 1e6
         self.assertAlmostEqual(m.load_gbps, m.good_gbps, places=6)
 
+    def test_start_from_sets_the_rate_before_any_load_and_only_the_target_after(self):
+        clock = Clock()
+        m = model(recover_s=5.0, clock=clock, alpha=1.0)
+        m.start_from(20.0)
+        self.assertAlmostEqual(m.load_gbps, 20.0, places=6)
+        m.observe_load(8_000_000_000, 1.0)  # measured: 8 GB/s
+        m.start_from(30.0)  # a reconnection: the rate measured stays, and returns to 30 unmeasured
+        self.assertAlmostEqual(m.load_gbps, 8.0, places=6)
+        clock.now += 1e6
+        self.assertAlmostEqual(m.load_gbps, 30.0, places=6)
+        for bad in (0, -1.0, float("nan"), True, "20"):
+            with self.assertRaisesRegex(ValueError, "load_gbps"):
+                m.start_from(bad)
+
     def test_a_mount_that_stayed_slow_returns_to_the_configured_rate(self):
         clock = Clock()
         m = model(recover_s=30.0, clock=clock, alpha=0.2)

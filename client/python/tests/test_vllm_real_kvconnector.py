@@ -384,6 +384,41 @@ class RealSplitRecoveryTest(RealKvConnectorCase):
         self.assertEqual(self.claim(sched, self.request("after", "kvc-idle", self.NBLK)), self.WHOLE)
 
 
+class RealSplitStartRateTest(RealKvConnectorCase):
+    """The rate the split starts from, through vLLM's own connector
+    modules: where load_gbps is not given, a daemon whose every mount is
+    memory (its Stats reply's device classes) starts it at a memory
+    mount's rate, any other at a disk's; a given load_gbps is kept."""
+
+    def with_daemon(self, mount_toml):
+        """A daemon of its own for this test, its mount's table given
+        mount_toml."""
+        daemon = d.Daemon(after_toml=mount_toml)
+        self.closers.append(daemon.stop)
+        self.daemon = daemon
+
+    def start_rate(self, **extra):
+        """The scheduler's rate once it has connected (its first claim),
+        before any load."""
+        sched, _, _ = self.engine(seed=15, **extra)
+        self.assertEqual(sched.get_num_new_matched_tokens(self.request("r", "kvc-start", 4 * BPC + 1), 0)[0], 0)
+        return sched.cost_model.load_gbps
+
+    def test_memory_mounts_start_the_split_at_a_memory_rate(self):
+        from kvhost.vllm._conn_common import MEMORY_LOAD_GBPS
+        self.with_daemon('device_class = "memory"')
+        self.assertEqual(self.start_rate(), MEMORY_LOAD_GBPS)
+
+    def test_a_disk_mount_starts_the_split_at_a_disk_rate(self):
+        from kvhost.vllm._conn_common import DEFAULT_LOAD_GBPS
+        self.with_daemon('device_class = "ssd"')
+        self.assertEqual(self.start_rate(), DEFAULT_LOAD_GBPS)
+
+    def test_a_given_load_gbps_is_kept_on_memory_mounts(self):
+        self.with_daemon('device_class = "memory"')
+        self.assertEqual(self.start_rate(load_gbps=5.0), 5.0)
+
+
 def free_port():
     """A TCP port of 127.0.0.1 free now (for the daemon's metrics listener)."""
     import socket

@@ -369,7 +369,10 @@ def decode_stats(body):
     off = 132
     for _ in range(n):
         cap, used, entries, direct = struct.unpack_from("<QQQB7x", body, off)
-        mounts.append({"capacity": cap, "used": used, "entries": entries, "direct": bool(direct)})
+        # device_class: the classes section's ("memory", "nvme", ...);
+        # None from a daemon that predates it.
+        mounts.append({"capacity": cap, "used": used, "entries": entries, "direct": bool(direct),
+                       "device_class": None})
         off += 32
     out["mounts"] = mounts
     devices = []
@@ -409,26 +412,63 @@ def decode_stats(body):
                     (d["faults"],) = struct.unpack_from("<Q", body, off)
                     off += 8
                 try:
-                    out["namespaces"] = _decode_namespaces(body, off)
+                    out["namespaces"], end = _decode_namespaces(body, off)
+                    classes = _decode_classes(body, end, len(mounts)) if end is not None else None
                 except struct.error:
-                    pass  # cut short: not a reply this client can read
+                    classes = None  # cut short: not a reply this client can read
+                for m, c in zip(mounts, classes or ()):
+                    m["device_class"] = c if c in DEVICE_CLASSES else "unknown"
     return out
+
+
+# The device classes a daemon names its mounts by (the Stats reply's
+# classes section); another name is taken for "unknown".
+DEVICE_CLASSES = frozenset({"memory", "nvme", "ssd", "hdd", "network", "unknown"})
+
+
+def _decode_classes(body, off, mounts):
+    """The device class of each of mounts mounts, from a Stats reply whose
+    budgets section starts at off (after the caches section), or None
+    where the reply ends before the classes section (an older daemon)."""
+    if len(body) < off + 12:
+        return None  # before the budgets section
+    count, _ = struct.unpack_from("<IQ", body, off)
+    off += 12
+    for _ in range(count):
+        off += 5 * 8  # used, budget, floor, over, kept
+        (n,) = struct.unpack_from("<B", body, off)  # pattern (str8)
+        off += 1 + n
+    if len(body) < off + 4:
+        return None
+    (n,) = struct.unpack_from("<I", body, off)
+    off += 4
+    if n != mounts:
+        return None
+    classes = []
+    for _ in range(n):
+        (k,) = struct.unpack_from("<B", body, off)
+        if len(body) < off + 1 + k:
+            raise struct.error("mount class cut short")
+        classes.append(bytes(body[off + 1:off + 1 + k]).decode("utf-8", "replace"))
+        off += 1 + k
+    return classes
 
 
 def _decode_namespaces(body, off):
     """The namespaces section of a Stats reply whose tiering section
-    starts at off (after the device faults): {"list": one dict per
+    starts at off (after the device faults): ({"list": one dict per
     namespace, the most bytes first, "left_out": how many the daemon did
-    not list}, or None where the reply ends before it (an older daemon)."""
+    not list}, or None where the reply ends before it (an older daemon);
+    the offset after the caches section, None where it is absent)."""
     if len(body) <= off:
-        return None
+        return None, None
     off += 5 * 8  # demotions, promotions, moves, move failures, demotion deletes
     (mounts,) = struct.unpack_from("<I", body, off)
     off += 4 + 16 * mounts
     (n,) = struct.unpack_from("<B", body, off)  # fallback policy (str8)
     off += 1 + n
     if len(body) <= off:
-        return None  # before the mount-failures section
+        return None, None  # before the mount-failures section
     (mounts,) = struct.unpack_from("<I", body, off)
     off += 4
     for _ in range(mounts):
@@ -436,7 +476,7 @@ def _decode_namespaces(body, off):
         (n,) = struct.unpack_from("<H", body, off)  # error (str16)
         off += 2 + n
     if len(body) <= off:
-        return None  # before the namespaces section
+        return None, None  # before the namespaces section
     count, left_out = struct.unpack_from("<IQ", body, off)
     off += 12
     listed = []
@@ -452,10 +492,12 @@ def _decode_namespaces(body, off):
                        "files": files, "keys": keys, "bytes": size, "caches": 0})
     # The caches section (a daemon that predates it ends before it): the
     # caches registered in each namespace, on all connections.
+    end = None
     if len(body) >= off + 4 + 4 * count and struct.unpack_from("<I", body, off)[0] == count:
         for i, ns in enumerate(listed):
             (ns["caches"],) = struct.unpack_from("<I", body, off + 4 + 4 * i)
-    return {"list": listed, "left_out": left_out}
+        end = off + 4 + 4 * count
+    return {"list": listed, "left_out": left_out}, end
 
 
 def _skip_daemon_and_spares(body, off):

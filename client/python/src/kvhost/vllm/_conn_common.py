@@ -30,6 +30,13 @@ CONNECTOR_WINDOW = (
     "get_block_ids_with_load_errors) and build_offloading_config "
     "(kv_connector.v1.offloading.config); run against 017e9f44 and 2f41c894")
 
+# The load rate the split starts from where load_gbps is not given: a
+# disk's (DEFAULT_LOAD_GBPS), or, once the daemon says that every mount
+# it has is memory (its Stats reply's device classes), a memory mount's
+# (below the 26-53 GB/s the H200's pinned and registered paths move).
+DEFAULT_LOAD_GBPS = 2.0
+MEMORY_LOAD_GBPS = 20.0
+
 # Tokens per key where neither block_size nor blocks_per_chunk is given:
 # 128 keys for a 32K-token prompt keep the scheduler's lookup short.
 DEFAULT_CHUNK_TOKENS = 256
@@ -44,7 +51,7 @@ OPTIONS = {
     "layer_groups": "ramp",     # "ramp": the first and last load jobs one layer each, the rest layers_per_load; "even"
     "load_job_ms": 25.0,        # one layer per load job where a layer's load takes this long at the learned rate, else layers_per_load (0: always layers_per_load)
     "load_split": "auto",       # "auto": load or recompute; "all": claim every cached token; "off": load nothing
-    "load_gbps": 2.0,           # the load rate the split starts from (GB/s, per worker), then measured
+    "load_gbps": None,          # the load rate the split starts from (GB/s, per worker), then measured; None: by the daemon's mounts (MEMORY_LOAD_GBPS where all are memory, else DEFAULT_LOAD_GBPS)
     "load_latency_ms": 1.0,     # a load's fixed cost
     "prefill_us_per_token": 20.0,     # prefill model: linear term (microseconds per token)
     "prefill_ns_per_token2": 1.0,     # prefill model: attention term (ns per token x context token)
@@ -128,6 +135,9 @@ def options(extra):
     pb = o["page_bytes"]
     if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb <= 0):
         raise ValueError(f"kvhost.vllm: page_bytes: want bytes per layer and GPU block (an integer > 0), got {pb!r}")
+    o["load_gbps_given"] = o["load_gbps"] is not None
+    if o["load_gbps"] is None:
+        o["load_gbps"] = DEFAULT_LOAD_GBPS
     for k in ("load_gbps", "load_latency_ms", "prefill_us_per_token", "prefill_ns_per_token2", "prefill_fixed_ms",
               "split_min_gain", "load_rate_alpha", "load_rate_recover_s", "load_job_ms"):
         v, least = o[k], 0 if k != "load_gbps" else math.ulp(0)

@@ -203,6 +203,18 @@ class CostModel:
         age = max(0.0, self._clock() - self._measured_at)
         return target + (self._learned - target) * 0.5 ** (age / self.recover_s)
 
+    def start_from(self, load_gbps):
+        """Makes load_gbps (GB/s) the configured rate: the one the rate
+        returns to (with the last good one), and, while no load has been
+        measured, the rate itself (a mount's kind, known once the
+        daemon answers, before any load)."""
+        if isinstance(load_gbps, bool) or not isinstance(load_gbps, (int, float)) or not 0 < load_gbps < math.inf:
+            raise ValueError(f"kvhost.vllm: load_gbps: want a number > 0, got {load_gbps!r}")
+        with self._lock:
+            self._prior = float(load_gbps) * 1e9
+            if self.observed == 0:
+                self._learned = self._good = self._prior
+
     @property
     def good_gbps(self):
         """The last good load rate in GB/s: what the rate returns to while
