@@ -727,7 +727,9 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         self.assertLessEqual(set(after), stored)
         self.assertLessEqual(stored, set(accepted))
         # No store was handed out that the worker could not run.
-        self.assertEqual(m.counters().get("store_unverified_keys", 0), 0)
+        self.assertEqual(m.counters().get("store_unverified_keys", 0), 0,
+                         f"manager {m.counters()}; worker {w.counters()}; accepted {len(accepted)}, after the "
+                         f"worker connected {len(after)}, steps away {away}")
         ks = sorted(stored)
         for k in ks:
             self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
