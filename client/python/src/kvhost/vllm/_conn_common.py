@@ -5,6 +5,7 @@ connection both halves keep (_Half). connector.py has the connector
 itself; _conn_scheduler.py and _conn_worker.py its two halves."""
 
 import collections.abc
+import logging
 import dataclasses
 import math
 import os
@@ -20,6 +21,8 @@ from ._common import DAEMON_WAIT_S, check_daemon_wait, check_request_timeout, ch
 from ._connect import Reconnects
 from ._removals import parse_media
 from ._split import CostModel, layer_groups  # noqa: F401 (layer_groups: re-exported)
+
+log = logging.getLogger("vllm.kvhost")
 
 IDENTITY_FORMAT = "kvhost-vllm-connector-v1"
 
@@ -146,6 +149,27 @@ def options(extra):
     if not 0 < o["load_rate_alpha"] <= 1:
         raise ValueError(f"kvhost.vllm: load_rate_alpha: want 0 < alpha <= 1, got {o['load_rate_alpha']!r}")
     return o
+
+
+def start_rate_from_mounts(cost, client, o):
+    """Where load_gbps is not given (options o) and every mount of the
+    daemon client is connected to is memory (its Stats reply's device
+    classes), starts cost's rate at MEMORY_LOAD_GBPS: a disk's rate would
+    size the first step's jobs one layer each and price a long prefix's
+    load above recomputing it. A daemon that predates the classes, or
+    that does not answer, leaves the rate as it is."""
+    if o["load_gbps_given"]:
+        return
+    try:
+        classes = [m.get("device_class") for m in client.stats()["mounts"]]
+    except Exception as e:  # noqa: BLE001 - the rate stays; loads measure it
+        log.debug("kvhost connector: the daemon's mounts not read (%s): the split starts from %g GB/s", e,
+                  cost.load_gbps)
+        return
+    if classes and all(c == "memory" for c in classes):
+        cost.start_from(MEMORY_LOAD_GBPS)
+        log.info("kvhost connector: every mount of the daemon is memory: the split starts from %g GB/s "
+                 "(load_gbps sets it)", MEMORY_LOAD_GBPS)
 
 
 def cost_model(o, bytes_per_token, layers=1):

@@ -13,8 +13,8 @@ from . import _conn_stages as stages_
 from . import _namespace as ns_
 from . import _pages as pages_
 from ._common import daemon_state, setup_timeout
-from ._conn_common import (_MAX_NAMESPACES, MEMORY_LOAD_GBPS, WORK_STEPS, ConnectorMetadata, Transfer, WorkerMeta, _Half, cost_model,
-                           geometry)
+from ._conn_common import (_MAX_NAMESPACES, WORK_STEPS, ConnectorMetadata, Transfer, WorkerMeta, _Half, cost_model,
+                           geometry, start_rate_from_mounts)
 from ._conn_lookups import SchedulerLookups
 from ._connect import connect
 from ._removals import ConnectorRemovals, kv_event_api, parse_media
@@ -138,32 +138,12 @@ class ConnectorScheduler(SchedulerLookups, _Half):
     def _open(self):
         def set_up(client):
             out = client, self._declare(client, self._stages or [self._ident])
-            self._rate_from_mounts(client)
+            start_rate_from_mounts(self.cost, client, self._opts)
             return out
         # Every request of the scheduler's is made in a vLLM call (lookups,
         # pins, unpins): none waits past daemon_wait_s.
         return connect(self._opts, self._opts["client_name"], set_up,
                        " (set the connector option \"socket\" or KVHOST_SOCKET)", request_timeout=False)
-
-    def _rate_from_mounts(self, client):
-        """Where load_gbps is not given and every mount of the daemon is
-        memory (its Stats reply's device classes), the split starts from
-        MEMORY_LOAD_GBPS: a disk's rate would size the first step's jobs
-        one layer each and price a long prefix's load above recomputing
-        it. A daemon that predates the classes, or that does not answer,
-        leaves the rate as it is."""
-        if self._opts["load_gbps_given"]:
-            return
-        try:
-            classes = [m.get("device_class") for m in client.stats()["mounts"]]
-        except Exception as e:  # noqa: BLE001 - the rate stays; loads measure it
-            log.debug("kvhost connector: the daemon's mounts not read (%s): the split starts from %g GB/s", e,
-                      self.cost.load_gbps)
-            return
-        if classes and all(c == "memory" for c in classes):
-            self.cost.start_from(MEMORY_LOAD_GBPS)
-            log.info("kvhost connector: every mount of the daemon is memory: the split starts from %g GB/s "
-                     "(load_gbps sets it)", MEMORY_LOAD_GBPS)
 
     def learn_stages(self, metas):
         """Takes in the workers' StageIdentity values (vLLM's handshake
