@@ -124,6 +124,9 @@ type statsMount struct {
 	SpareBytes uint64 `json:"spare_bytes"`
 	MovedIn    uint64 `json:"moved_in_files"`
 	MovedOut   uint64 `json:"moved_out_files"`
+	// Class is the mount's device class, configured or detected
+	// ("memory", "nvme", ...; empty from a daemon that predates it).
+	Class string `json:"class"`
 	// StoresFailing says that the mount refuses stores (null while its
 	// stores succeed, and from a daemon that predates the report).
 	StoresFailing *statsFailing `json:"stores_failing"`
@@ -183,6 +186,7 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		if d := st.Daemon; d != nil && i < len(d.Mounts) {
 			mi := d.Mounts[i]
 			sm.Path, sm.Backend, sm.IO, sm.Checksums, sm.Configured = mi.Path, mi.Backend, mi.IO, mi.Checksums, mi.Configured
+			sm.Class = mi.Class
 		}
 		if sp := st.Spares; sp != nil && i < len(sp.Mounts) {
 			sm.SpareFiles, sm.SpareBytes = sp.Mounts[i].Files, sp.Mounts[i].Bytes
@@ -305,13 +309,13 @@ func printStats(w io.Writer, r statsReport) {
 	// capacity: the effective limit (the configured one, or less where
 	// the free space minus the reserve, plus kvhost's own files, is
 	// less), as kvhost check names it beside the configured one.
-	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tconfigured\tuse%\tfiles\tspares\tmoved in/out")
+	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tconfigured\tuse%\tfiles\tspares\tmoved in/out\tclass")
 	for _, m := range r.Mounts {
 		pct := 0.0
 		if m.Capacity > 0 {
 			pct = 100 * float64(m.Used) / float64(m.Capacity)
 		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%s\t%.1f%%\t%d\t%d (%s)\t%d/%d\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), bytesString(m.Configured), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes), m.MovedIn, m.MovedOut)
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%s\t%.1f%%\t%d\t%d (%s)\t%d/%d\t%s\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), bytesString(m.Configured), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes), m.MovedIn, m.MovedOut, m.Class)
 	}
 	tw.Flush()
 	if slices.ContainsFunc(r.Mounts, func(m statsMount) bool { return m.Capacity < m.Configured }) {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"regexp"
 	"slices"
 	"strings"
@@ -245,6 +246,35 @@ func TestStatsNamesTheCapacityAndTheConfiguredOne(t *testing.T) {
 	row := regexp.MustCompile(`(?m)^  /nvme .* 1(\.0)?GiB +75(\.0)?GiB +227(\.0)?GiB +1\.3%`)
 	if !header.MatchString(out.String()) || !row.MatchString(out.String()) || !strings.Contains(out.String(), "capacity below configured") {
 		t.Errorf("stats lacks the capacity and the configured capacity, named:\n%s", out.String())
+	}
+}
+
+// TestStatsNamesEachMountsDeviceClass: `kvhost stats --json` gives each
+// mount's device class as the daemon configured it, and the text shows
+// it in the mounts table.
+func TestStatsNamesEachMountsDeviceClass(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := strings.Replace(string(b), "[[mount]]\n", "[[mount]]\ndevice_class = \"nvme\"\n", 1)
+	if conf == string(b) {
+		t.Fatalf("no [[mount]] table in the test's configuration:\n%s", b)
+	}
+	if err := os.WriteFile(file, []byte(conf), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	serveUntilDone(t, ctx, file, socket)
+	st := statsJSON(t, ctx, socket)
+	if len(st.Mounts) != 1 || st.Mounts[0].Class != "nvme" {
+		t.Fatalf("mounts %+v, want one of class nvme", st.Mounts)
+	}
+	var out bytes.Buffer
+	printStats(&out, st)
+	if !regexp.MustCompile(`(?m)^  \S+ .* nvme$`).MatchString(out.String()) {
+		t.Errorf("the mounts table lacks the class:\n%s", out.String())
 	}
 }
 
