@@ -25,29 +25,8 @@ func TestGPUSegmentCopyRates(t *testing.T) {
 		block = 32 << 10
 		area  = 2 * total // destinations are shuffled over twice the bytes
 	)
-	r, _ := openGPU(t, benchCUDA(t))
-	unlock, err := r.LockDevice(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unlock()
-	dev, err := r.Malloc(0, area)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
-	host, err := r.HostAlloc(total)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer host.Free()
-	streams := make([]cuda.Stream, 16)
-	for i := range streams {
-		if streams[i], err = r.NewStream(); err != nil {
-			t.Fatal(err)
-		}
-		defer r.DestroyStream(streams[i])
-	}
+	rig := newCopyRig(t, area, total, 16)
+	r, dev, host, streams := rig.r, rig.dev, rig.host, rig.streams
 	slots := rand.New(rand.NewPCG(1, 2)).Perm(area / block)
 
 	// copies lists piece-sized copies of the whole host buffer, each to its
@@ -114,4 +93,43 @@ func TestGPUSegmentCopyRates(t *testing.T) {
 			rep.printf("pass %d %-40s %5.1f GB/s (%.2f of contiguous), enqueue %6.2f ms", pass, c.name, g, g/base, float64(enq.Microseconds())/1e3)
 		}
 	}
+}
+
+// copyRig is what a copy-rate test copies with: the runtime, the test's
+// goroutine locked to device 0, device memory, a pinned host buffer and
+// streams, all released when the test ends.
+type copyRig struct {
+	r       *cuda.Runtime
+	dev     *cuda.DeviceMemory
+	host    *cuda.Pinned
+	streams []cuda.Stream
+}
+
+// newCopyRig opens the benchmark's runtime and makes a copyRig of
+// devBytes of device memory, hostBytes of pinned memory and n streams.
+func newCopyRig(t *testing.T, devBytes int64, hostBytes, n int) *copyRig {
+	t.Helper()
+	r, _ := openGPU(t, benchCUDA(t))
+	unlock, err := r.LockDevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(unlock)
+	rig := &copyRig{r: r, streams: make([]cuda.Stream, n)}
+	if rig.dev, err = r.Malloc(0, devBytes); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rig.dev.Close() })
+	if rig.host, err = r.HostAlloc(hostBytes); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rig.host.Free() })
+	for i := range rig.streams {
+		if rig.streams[i], err = r.NewStream(); err != nil {
+			t.Fatal(err)
+		}
+		s := rig.streams[i]
+		t.Cleanup(func() { r.DestroyStream(s) })
+	}
+	return rig
 }

@@ -35,29 +35,14 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 		area    = 2 * total
 		workers = 16
 	)
-	r, _ := openGPU(t, benchCUDA(t))
-	unlock, err := r.LockDevice(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unlock()
-	dev, err := r.Malloc(0, area)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
+	rig := newCopyRig(t, area, total, workers)
+	r, dev, streams := rig.r, rig.dev, rig.streams
 
 	type source struct {
 		name string
 		mem  []byte
 	}
-	var sources []source
-	pinned, err := r.HostAlloc(total)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pinned.Free()
-	sources = append(sources, source{"cudaHostAlloc", pinned.Bytes()})
+	sources := []source{{"cudaHostAlloc", rig.host.Bytes()}}
 	// register maps and registers mem, filled first so that every page
 	// exists, and unregisters and unmaps it when the test ends.
 	register := func(name string, mem []byte) {
@@ -106,13 +91,6 @@ func TestGPUHostSourceCopyRates(t *testing.T) {
 	anon("anonymous 4 KiB pages, registered", unix.MADV_NOHUGEPAGE)
 	anon("anonymous huge pages, registered", unix.MADV_HUGEPAGE)
 
-	streams := make([]cuda.Stream, workers)
-	for i := range streams {
-		if streams[i], err = r.NewStream(); err != nil {
-			t.Fatal(err)
-		}
-		defer r.DestroyStream(streams[i])
-	}
 	slots := rand.New(rand.NewPCG(1, 2)).Perm(area / block)
 	var spreadOver func(c *cuda.Copies, per, workers, nstreams int) time.Duration
 	// pieces lists src's bytes in piece-sized copies, each to its own
