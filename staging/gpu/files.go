@@ -336,10 +336,14 @@ func fileLimit(want int) int {
 // identify returns f's identity and whether it is a linked regular file
 // with a generation (a file without one is never registered: its inode
 // number alone could name another file by the time a job finds it).
-func identify(f fsys.File) (fileID, bool) {
+func identify(f fsys.File) (fileID, bool) { return identifyFrom(f, 1) }
+
+// identifyFrom is identify for files of min bytes or more: a smaller one
+// is not identified, and costs one fstat (no file handle asked for).
+func identifyFrom(f fsys.File, min int64) (fileID, bool) {
 	var st unix.Stat_t
 	fd := int(f.Fd())
-	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink == 0 || st.Size <= 0 {
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink == 0 || st.Size < max(min, 1) {
 		return fileID{}, false
 	}
 	id := fileID{fsys.FileIDOf(fd, &st), st.Size}

@@ -1279,3 +1279,47 @@ func TestARegisteredLoadShowsItsPhasesInAnExecutionTrace(t *testing.T) {
 		t.Errorf("a region was not ended: %v", evs)
 	}
 }
+
+// TestIdentifyFromLeavesSmallerFilesUnidentified: identifyFrom identifies
+// a file of its min bytes or more as identify does, and not a smaller one
+// (a load of it without registration needs no identity), nor an empty
+// file whatever min says.
+func TestIdentifyFromLeavesSmallerFilesUnidentified(t *testing.T) {
+	dir := t.TempDir()
+	open := func(name string, size int64) fsys.File {
+		t.Helper()
+		path := filepath.Join(dir, name)
+		f, err := fsys.OS{}.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		if err := os.Truncate(path, size); err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	// Where the file system gives no file handles, nothing is identified.
+	_, handles := identify(open("probe", 1))
+	for _, tc := range []struct {
+		name      string
+		size, min int64
+		want      bool
+	}{
+		{"at-min", 1 << 20, 1 << 20, handles},
+		{"over-min", 2 << 20, 1 << 20, handles},
+		{"under-min", 1<<20 - 1, 1 << 20, false},
+		{"empty-min-0", 0, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := open(tc.name, tc.size)
+			id, ok := identifyFrom(f, tc.min)
+			if ok != tc.want {
+				t.Fatalf("identifyFrom(%d-byte file, %d) = %v, want %v", tc.size, tc.min, ok, tc.want)
+			}
+			if full, _ := identify(f); ok && full != id {
+				t.Fatalf("identify = %+v, identifyFrom = %+v", full, id)
+			}
+		})
+	}
+}

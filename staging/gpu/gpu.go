@@ -661,11 +661,15 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		fused = false
 	}
 	// A memory-mount file's identity: for its registration, and a load's
-	// mapping (readSource).
+	// mapping (readSource), which only files of fsys.MapMin bytes or more
+	// get: without registration a smaller file costs one fstat.
 	var id fileID
 	identified := false
-	if p.Memory && (m.files != nil || !write) {
+	switch {
+	case p.Memory && m.files != nil:
 		id, identified = identify(f)
+	case p.Memory && !write:
+		id, identified = identifyFrom(f, fsys.MapMin)
 	}
 	if m.files != nil && identified {
 		if rf := m.files.acquire(id, p.End()); rf != nil {
