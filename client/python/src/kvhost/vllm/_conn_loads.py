@@ -311,7 +311,8 @@ class ConnectorLoads:
         """The last step's load jobs that finish_loads ended, for tools (the
         TTFT benchmark): per job, in submission order, its group (KV-cache
         group, layer group), its layers [first, count], and in milliseconds
-        from the step's first submission: when it was sent (sent_ms), the
+        from the step's first submission: when it was sent (sent_ms: once
+        its layer group's jobs all were, which its completion may precede), the
         daemon's time for it from submission to completion (daemon_ms: its
         end on the daemon is near sent_ms + daemon_ms), when this process's
         reader took its completion (received_ms), when the worker began to
