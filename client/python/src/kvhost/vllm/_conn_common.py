@@ -138,12 +138,11 @@ def options(extra):
     pb = o["page_bytes"]
     if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb <= 0):
         raise ValueError(f"kvhost.vllm: page_bytes: want bytes per layer and GPU block (an integer > 0), got {pb!r}")
-    o["load_gbps_given"] = o["load_gbps"] is not None
-    if o["load_gbps"] is None:
-        o["load_gbps"] = DEFAULT_LOAD_GBPS
     for k in ("load_gbps", "load_latency_ms", "prefill_us_per_token", "prefill_ns_per_token2", "prefill_fixed_ms",
               "split_min_gain", "load_rate_alpha", "load_rate_recover_s", "load_job_ms"):
         v, least = o[k], 0 if k != "load_gbps" else math.ulp(0)
+        if k == "load_gbps" and v is None:
+            continue  # by the daemon's mounts (start_rate_from_mounts)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not least <= v < 1e12:
             raise ValueError(f"kvhost.vllm: {k}: want a number {'> 0' if least else '>= 0'}, got {v!r}")
     if not 0 < o["load_rate_alpha"] <= 1:
@@ -156,9 +155,11 @@ def start_rate_from_mounts(cost, client, o):
     daemon client is connected to is memory (its Stats reply's device
     classes), starts cost's rate at MEMORY_LOAD_GBPS: a disk's rate would
     size the first step's jobs one layer each and price a long prefix's
-    load above recomputing it. A daemon that predates the classes, or
-    that does not answer, leaves the rate as it is."""
-    if o["load_gbps_given"]:
+    load above recomputing it; any other mount, DEFAULT_LOAD_GBPS (each
+    connection sets it: a daemon restarted on other mounts moves it). A
+    daemon that predates the classes, or that does not answer, leaves the
+    rate as it is."""
+    if o["load_gbps"] is not None:
         return
     try:
         classes = [m.get("device_class") for m in client.stats()["mounts"]]
@@ -166,8 +167,12 @@ def start_rate_from_mounts(cost, client, o):
         log.debug("kvhost connector: the daemon's mounts not read (%s): the split starts from %g GB/s", e,
                   cost.load_gbps)
         return
-    if classes and all(c == "memory" for c in classes):
-        cost.start_from(MEMORY_LOAD_GBPS)
+    if not classes or None in classes:
+        return  # a daemon that predates the classes
+    memory = all(c == "memory" for c in classes)
+    # Set at every connection: a daemon restarted on other mounts moves it.
+    cost.start_from(MEMORY_LOAD_GBPS if memory else DEFAULT_LOAD_GBPS)
+    if memory:
         log.info("kvhost connector: every mount of the daemon is memory: the split starts from %g GB/s "
                  "(load_gbps sets it)", MEMORY_LOAD_GBPS)
 
@@ -175,7 +180,8 @@ def start_rate_from_mounts(cost, client, o):
 def cost_model(o, bytes_per_token, layers=1):
     """The split's CostModel of options o, for bytes_per_token of loads
     cut across layers (the load jobs' layer groups)."""
-    return CostModel(bytes_per_token, o["load_gbps"], o["load_latency_ms"] / 1e3, o["prefill_us_per_token"] / 1e6,
+    gbps = DEFAULT_LOAD_GBPS if o["load_gbps"] is None else o["load_gbps"]
+    return CostModel(bytes_per_token, gbps, o["load_latency_ms"] / 1e3, o["prefill_us_per_token"] / 1e6,
                      o["prefill_ns_per_token2"] / 1e9, o["prefill_fixed_ms"] / 1e3, o["split_min_gain"],
                      o["load_rate_alpha"], o["load_rate_recover_s"], layers=layers,
                      layers_per_load=o["layers_per_load"], shape=o["layer_groups"], job_s=o["load_job_ms"] / 1e3)
