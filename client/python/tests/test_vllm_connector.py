@@ -331,6 +331,26 @@ class LayerWaitTest(unittest.TestCase):
             w.wait_layer(NAMES[i])
         self.assertEqual(w.take_errors(), set())
 
+    def test_a_step_naming_a_block_outside_the_cache_sends_no_load_and_fails_its_blocks(self):
+        cases = [  # block lists of the step's keys, whether they load
+            ([[0, 1], [2, 3]], True),
+            ([[0, P.NO_BLOCK], [P.NO_BLOCK, 3]], True),
+            ([[0, 1], [2, NBLOCKS]], False),  # past the cache
+            ([[0, -1]], False),
+            ([[P.NO_BLOCK, 99]], False),
+        ]
+        for blocks, loads in cases:
+            with self.subTest(blocks=blocks):
+                w = self.worker(4)
+                keys = [f"k{i}".encode() for i in range(len(blocks))]
+                w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", keys, blocks)]))
+                self.assertEqual(bool(w._client.jobs), loads)
+                for j in w._client.jobs:
+                    j.finish()
+                w.finish_loads()
+                want = set() if loads else {x for b in blocks for x in b if x != P.NO_BLOCK}
+                self.assertEqual(w.take_errors(), want)
+
     def test_layers_per_load_groups_layers_into_one_job(self):
         w = self.worker(2)
         w.start_load(C.ConnectorMetadata(loads=[C.Transfer("r", [b"k0"], [[0, 1]])]))

@@ -210,18 +210,18 @@ def load_blocks(g, chunks, block_ids, bpc, skip, end):
         if j >= len(block_ids) or block_ids[j] == 0:
             return None
         return [(chunks[-1], [block_ids[j]])] if j >= skip else []
-    lo = window_first_block(g, end) if g.kind == WINDOW else 0
+    lo = max(skip, window_first_block(g, end) if g.kind == WINDOW else 0)  # the first block needed
     for c in chunks:
-        blocks = []
-        for j in range(c * bpc, (c + 1) * bpc):
-            if j >= len(block_ids):
-                return None
-            need = j >= skip and j >= lo
-            if need and block_ids[j] == 0:
-                return None
-            blocks.append(block_ids[j] if need else p.NO_BLOCK)
-        if any(b != p.NO_BLOCK for b in blocks):
-            out.append((c, blocks))
+        a, b = c * bpc, (c + 1) * bpc
+        if b > len(block_ids):
+            return None  # vLLM gave fewer blocks than the claim covers
+        if b <= lo:
+            continue  # no block of the key needed
+        ids = block_ids[a:b]
+        need = ids if a >= lo else ids[lo - a:]
+        if 0 in need:
+            return None
+        out.append((c, list(ids) if a >= lo else [p.NO_BLOCK] * (lo - a) + list(need)))
     return out
 
 

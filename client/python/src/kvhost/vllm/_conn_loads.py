@@ -38,6 +38,13 @@ class _Step:
         self.timeline = {}
 
 
+def _blocks_within(blocks, n):
+    """Whether every block id of blocks but NO_BLOCK is in [0, n)."""
+    if blocks and 0 <= min(blocks) and max(blocks) < n:
+        return True  # the common case, at C speed
+    return all(x == p.NO_BLOCK or 0 <= x < n for x in blocks)
+
+
 class ConnectorLoads:
     """The loads half of the connector's worker (ConnectorWorker)."""
 
@@ -75,7 +82,7 @@ class ConnectorLoads:
         loads = [t for t in loads if self._groups[t.group].layer_names]
         keys = [k for t in loads for k in t.keys]
         blocks = [b for t in loads for b in t.blocks]
-        bad = [i for i, b in enumerate(blocks) if any(x != p.NO_BLOCK and not 0 <= x < self._nblocks for x in b)]
+        bad = [i for i, b in enumerate(blocks) if not _blocks_within(b, self._nblocks)]
         client = self._usable()
         if client is None or bad:
             why = "no daemon connection" if not bad else f"block ids outside the cache's {self._nblocks} blocks"
