@@ -682,7 +682,8 @@ class Driver:
                 names.append(f"{tag}-{j}-last")
                 blocks.append(self.sh.spare)
             tokens = len(names) * BLOCK_TOKENS
-            out.append((self.tb.Request(f"{tag}-{'load' if load else 'save'}-{j}", names, tokens), blocks, tokens))
+            req = self.tb.Request(f"{tag}-{'load' if load else 'save'}-{j}", self.tb.block_hashes(names), tokens)
+            out.append((req, blocks, tokens))
         return out
 
     @staticmethod

@@ -5,6 +5,7 @@ llm-d. The script must say ok True where each load put back the
 recomputation's bytes, and ok False, with exit status 1, where a stored
 file was corrupted: never a silent pass."""
 
+import hashlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 import unittest
 
 from daemon import REPO, kvhost_binary
@@ -332,3 +334,42 @@ class TestSettle(unittest.TestCase):
         n = iter(range(10 ** 6))
         self.assertIsNone(self.mod.settle("addr", still_s=0.05, limit_s=0.2, read=lambda: (next(n), 0, 0)))
         self.assertIsNone(self.mod.settle(None))
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
+class TestRequestHashes(unittest.TestCase):
+    """The connector's requests carry block hashes made once per size,
+    outside the timed request, chained as vLLM chains them."""
+
+    @classmethod
+    def setUpClass(cls):
+        import importlib.util
+        sys.path[:0] = [os.path.join(REPO, "scripts"), os.path.join(REPO, "client", "python", "tests")]
+        spec = importlib.util.spec_from_file_location("ttft_bench", os.path.join(REPO, "scripts", "ttft-bench.py"))
+        cls.mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cls.mod)
+
+    def connector(self):
+        """A Connector without a daemon: what hashes reads of it."""
+        conn = self.mod.Connector.__new__(self.mod.Connector)
+        conn.bench = types.SimpleNamespace(cfg=types.SimpleNamespace(block_tokens=16), run_id="seed0")
+        conn._hashes = {}
+        return conn
+
+    def test_a_sizes_hashes_are_made_once_and_chained_over_its_block_names(self):
+        conn = self.connector()
+        first = conn.hashes(64, 80)  # 4 prefix blocks and 1 of the suffix
+        self.assertIs(conn.hashes(64, 80), first)  # made once: a timed request only looks them up
+        names = ["seed0-64-0", "seed0-64-1", "seed0-64-2", "seed0-64-3", "seed0-64-suffix-4"]
+        prev, want = b"", []
+        for n in names:
+            prev = hashlib.sha256(prev + n.encode()).digest()
+            want.append(prev)
+        self.assertEqual(first, want)
+        self.assertEqual(conn.hashes(64, 64), want[:4])
+
+    def test_a_request_copies_the_hashes_it_is_given(self):
+        hashes = [b"a", b"b"]
+        req = self.mod.Request("r", hashes, 32)
+        req.block_hashes.append(b"c")  # as vLLM appends a request's new blocks' hashes
+        self.assertEqual(hashes, [b"a", b"b"])
