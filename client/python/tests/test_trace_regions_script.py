@@ -40,7 +40,46 @@ M=1 P=0 G=7 TaskEnd Time=70000 ID=2 Parent=18446744073709551615 Type="load"
 """
 
 
+# Layer-wise steps: a task the trace cut (layers [1, 2), before any step's
+# first), then one step of two tasks, each with reads on two goroutines,
+# the second task begun before the first's reads; then a step whose one
+# task read nothing.
+STEPS = """\
+M=1 P=0 G=3 TaskBegin Time=500 ID=9 Parent=18446744073709551615 Type="load"
+M=1 P=0 G=3 Log Time=510 Task=9 Category="layers" Message="layers [1, 2)"
+M=1 P=0 G=7 TaskBegin Time=1000000 ID=1 Parent=18446744073709551615 Type="load"
+M=1 P=0 G=7 Log Time=1000100 Task=1 Category="layers" Message="layers [0, 1)"
+M=1 P=0 G=8 TaskBegin Time=1200000 ID=2 Parent=18446744073709551615 Type="load"
+M=1 P=0 G=8 Log Time=1200100 Task=2 Category="layers" Message="layers [1, 2)"
+M=1 P=0 G=7 RegionBegin Time=1500000 Task=1 Type="load: read"
+M=2 P=1 G=9 RegionBegin Time=1400000 Task=1 Type="load: read"
+M=1 P=0 G=7 RegionEnd Time=3000000 Task=1 Type="load: read"
+M=2 P=1 G=9 RegionEnd Time=2500000 Task=1 Type="load: read"
+M=1 P=0 G=7 TaskEnd Time=3100000 ID=1 Parent=18446744073709551615 Type="load"
+M=1 P=0 G=8 RegionBegin Time=3000000 Task=2 Type="load: read"
+M=1 P=0 G=8 RegionEnd Time=6000000 Task=2 Type="load: read"
+M=1 P=0 G=8 TaskEnd Time=6500000 ID=2 Parent=18446744073709551615 Type="load"
+M=1 P=0 G=7 TaskBegin Time=9000000 ID=3 Parent=18446744073709551615 Type="load"
+M=1 P=0 G=7 Log Time=9000100 Task=3 Category="layers" Message="layers [0, 2)"
+"""
+
+
 class TestTraceRegions(unittest.TestCase):
+    def test_steps_begin_at_layer_0_and_time_their_reads_from_their_first_task(self):
+        out = io.StringIO()
+        self.assertTrue(tr.report_steps(STEPS.splitlines(), out))
+        self.assertEqual(out.getvalue().splitlines(), [
+            # First read began 0.4 ms after the step (goroutine 9's), the last ended at 6 ms.
+            "step 0 tasks 2 first_read_ms 0.40 reads_ms 4.60",
+            "step 0 task layers [0, 1) begin_ms 0.00 first_read_ms 0.40 last_read_end_ms 2.00 end_ms 2.10",
+            "step 0 task layers [1, 2) begin_ms 0.20 first_read_ms 2.00 last_read_end_ms 5.00 end_ms 5.50",
+            "step 1 tasks 1 first_read_ms - reads_ms -",
+            "step 1 task layers [0, 2) begin_ms 0.00 first_read_ms - last_read_end_ms - end_ms -",
+        ])
+
+    def test_a_trace_without_a_step_from_layer_0_reports_none(self):
+        self.assertFalse(tr.report_steps(PARSED.splitlines()[9:], io.StringIO()))
+
     def test_tasks_ranges_and_regions_get_their_durations(self):
         out = io.StringIO()
         self.assertTrue(tr.report(PARSED.splitlines(), out))
