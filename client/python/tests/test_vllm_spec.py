@@ -2178,6 +2178,52 @@ class TestNoStoredEventWithoutAWorker(SpecCase):
         # The manager-first trials stepped with the manager connected and the worker not.
         self.assertGreater(away, 0, "no trial had the manager connect before its worker")
 
+    def test_a_store_handed_out_while_the_worker_registers_waits_for_its_connection(self):
+        # The daemon counts the worker's cache as soon as it is registered,
+        # before the worker's new connection is in use: the manager can
+        # find it and hand out a store in that window. The store must run
+        # on the new connection, not move nothing as without one.
+        from kvhost import client as kc
+        registered, go_on = threading.Event(), threading.Event()
+        real = kc.Client.register_cache
+
+        def held(client, *args, **kwargs):
+            got = real(client, *args, **kwargs)  # only the worker registers caches
+            if not go_on.is_set():
+                registered.set()
+                self.assertTrue(go_on.wait(30), "the test never let the registration end")
+            return got
+        patch = mock.patch.object(kc.Client, "register_cache", held)
+        patch.start()
+        self.addCleanup(patch.stop)
+        self.addCleanup(go_on.set)
+        self.daemon.halt()
+        m = self.manager(self.spec(reconnect_s=0.01, miss_ttl_s=0.01))
+        caches, tensors = self.caches(seed=11)
+        w = self.worker(self.spec(reconnect_s=0.01, miss_ttl_s=0.01), caches)
+        self.daemon.start_again()
+        self.assertTrue(registered.wait(30), "the worker never registered its cache")
+        k = keys(1, "registering")[0]
+        out = None
+
+        def handed_out():
+            nonlocal out
+            out = m.prepare_store([k], CTX)
+            return out is not None and out.keys_to_store
+        d.wait_for(handed_out, what="the manager to hand out a store once the worker's cache is registered")
+        self.assertFalse(w.counters()["connected"])  # the window: registered, not yet in use
+        done = []
+        t = threading.Thread(target=lambda: done.append(self.transfer(w, True, out.store_spec, [3])))
+        t.start()
+        go_on.set()
+        t.join(30)
+        self.assertEqual(len(done), 1, "the store never ended")
+        m.complete_store(out.keys_to_store, CTX, success=True)
+        settled(m)
+        self.assertEqual(m.counters().get("store_unverified_keys", 0), 0, f"{m.counters()} {w.counters()}")
+        self.assertEqual(answer_of(m, k), S.LookupResult.HIT)
+        self.end_trial()
+
     def test_a_daemon_restart_under_load_sends_stored_events_only_for_stored_keys(self):
         daemon = self.daemon
 

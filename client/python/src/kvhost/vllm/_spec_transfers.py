@@ -219,8 +219,12 @@ class SpecTransfers:
 
     def _start(self, tr, gpu_spec, kv_spec):
         """Submits tr's daemon jobs on the connection in use (its first run,
-        or a load's run again after a lost connection)."""
-        with self._lock:
+        or a load's run again after a lost connection). A store while a new
+        connection registers the caches waits for it first
+        (_await_registration_locked)."""
+        with self._cv:
+            if not tr.load:
+                self._await_registration_locked()
             client, caches, broken = self._client, self._caches, self._broken
         plan, bad = self._plan(tr.job_id, gpu_spec, kv_spec, caches, tr.load)
         kind = "load" if tr.load else "store"
@@ -251,6 +255,20 @@ class SpecTransfers:
                     self._lost_locked(client, tr.error)
             else:
                 log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, e)
+
+    def _await_registration_locked(self):
+        """Waits, daemon_wait_s at most, while the worker is without a
+        connection but sets one up whose caches the daemon may count already
+        (_registering): the manager, finding them, hands out stores at
+        once, and a store run before the connection is in use would move
+        nothing (counted then as the manager's store_unverified_keys).
+        Called with _cv held."""
+        until = time.monotonic() + self._opts["daemon_wait_s"]
+        while self._registering and self._broken is not None and not self._closing:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(left)
 
     def submit_store(self, job_id, src_spec, dst_spec):
         """Starts storing the GPU blocks of src_spec under dst_spec's keys."""

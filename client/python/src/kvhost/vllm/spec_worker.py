@@ -160,6 +160,11 @@ class SpecWorker(SpecTransfers, Reconnects):
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._broken = None          # why the connection is gone (text), until a reconnection
+        # A connection whose caches the daemon may know already, not yet in
+        # use: from _open's first registration to _swap_locked (or its
+        # failure). The manager may find the caches and hand out stores
+        # meanwhile; _start holds those until it ends (_await_registration).
+        self._registering = False
         self._closing = False
         self._reconnectors = []      # threads connecting again (shutdown joins them)
         self._transfers = {}
@@ -185,6 +190,7 @@ class SpecWorker(SpecTransfers, Reconnects):
         # _regions: storage address -> (region id, offset of the storage in
         # the region); _caches: per group, (cache id, num blocks).
         conn, absent = self._connect_at_start()
+        self._registering = False  # before any thread: a connection at start is in use at once
         if conn is not None:
             self._client, self._regions, self._caches, self.namespaces = conn
         else:
@@ -269,16 +275,24 @@ class SpecWorker(SpecTransfers, Reconnects):
         def set_up(client):
             regions, caches, names = {}, [], []
             self._join_group(client)
-            for g, planes in enumerate(self._layer_planes):
-                geo = sc.geometry(sc.describe(self._ident, g, self.shard))
-                ns = client.declare(geo)
-                _namespace.check_served(ns.fingerprint, geo)  # kvhost mounts only, as the manager's
-                names.append(geo.model)
-                layers, blocks = [], None
-                for ti, off in planes:
-                    layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
-                    blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
-                caches.append((client.register_cache(ns, layers), blocks))
+            try:
+                for g, planes in enumerate(self._layer_planes):
+                    geo = sc.geometry(sc.describe(self._ident, g, self.shard))
+                    ns = client.declare(geo)
+                    _namespace.check_served(ns.fingerprint, geo)  # kvhost mounts only, as the manager's
+                    names.append(geo.model)
+                    layers, blocks = [], None
+                    for ti, off in planes:
+                        layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
+                        blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
+                    with self._lock:
+                        self._registering = True  # the daemon may count this cache from here on
+                    caches.append((client.register_cache(ns, layers), blocks))
+            except BaseException:
+                with self._cv:
+                    self._registering = False
+                    self._cv.notify_all()
+                raise
             return client, regions, caches, names
         return connect(o, f"{o['client_name']}-worker{self.rank}", set_up)
 
@@ -347,6 +361,15 @@ class SpecWorker(SpecTransfers, Reconnects):
         """The new connection, with the tensors registered on it anew (CUDA
         IPC imports and regions belong to a connection)."""
         self._client, self._regions, self._caches, self.namespaces = new
+        self._registering = False  # _swap_in notifies _cv
+
+    def _drop(self, conn):
+        """A connection made but not used (shutting down, or another in use):
+        closed, and no store waits for it any more."""
+        with self._cv:
+            self._registering = False
+            self._cv.notify_all()
+        super()._drop(conn)
 
     def shutdown(self):
         """Waits for the jobs in flight (daemon_wait_s in all: the process
