@@ -62,6 +62,22 @@ class LoadAndSaveBlocks(unittest.TestCase):
         # A null block outside the window is vLLM's, and left out.
         self.assertEqual(G.load_blocks(g, [1], [0, 0, 102, 103], BPC, skip=0, end=4 * BLOCK), [(1, [102, 103])])
 
+    def test_a_full_load_names_each_keys_blocks_and_leaves_out_keys_needing_none(self):
+        g = group(G.FULL)
+        ids = [100, 101, 102, 103, 104, 105]
+        cases = [  # chunks, skip (blocks on the GPU), want
+            ([0, 1, 2], 0, [(0, [100, 101]), (1, [102, 103]), (2, [104, 105])]),
+            ([0, 1, 2], 3, [(1, [p.NO_BLOCK, 103]), (2, [104, 105])]),  # key 0 all on the GPU: left out
+            ([2, 0], 0, [(2, [104, 105]), (0, [100, 101])]),  # the chunks' order is kept
+            ([3], 0, None),  # past the request's blocks
+        ]
+        for chunks, skip, want in cases:
+            with self.subTest(chunks=chunks, skip=skip):
+                self.assertEqual(G.load_blocks(g, chunks, ids, BPC, skip=skip, end=6 * BLOCK), want)
+        # A key whose needed ids are all NO_BLOCK moves nothing: left out too.
+        self.assertEqual(G.load_blocks(g, [0, 1], [7, p.NO_BLOCK, p.NO_BLOCK, 9], BPC, skip=1, end=4 * BLOCK),
+                         [(1, [p.NO_BLOCK, 9])])
+
     def test_a_state_load_fills_only_the_block_at_the_claims_end(self):
         g = group(G.STATE)
         ids = [0, 0, 0, 7, 0, 0]

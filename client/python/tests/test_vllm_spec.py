@@ -2224,6 +2224,17 @@ class TestNoStoredEventWithoutAWorker(SpecCase):
         self.assertEqual(answer_of(m, k), S.LookupResult.HIT)
         self.end_trial()
 
+    def test_a_connection_failing_after_its_registration_leaves_no_store_waiting(self):
+        from kvhost import client as kc
+        caches, _ = self.caches(seed=12)
+        w = self.worker(self.spec(), caches)
+        self.assertTrue(w.counters()["connected"])
+        with mock.patch.object(kc.Client, "set_timeout", side_effect=OSError("setsockopt failed")):
+            with self.assertRaises(OSError):
+                w._open()  # registers the caches on a new connection, then fails
+        self.assertIsNone(w._registering)
+        self.end_trial()
+
     def test_a_daemon_restart_under_load_sends_stored_events_only_for_stored_keys(self):
         daemon = self.daemon
 

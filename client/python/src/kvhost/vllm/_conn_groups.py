@@ -221,7 +221,8 @@ def load_blocks(g, chunks, block_ids, bpc, skip, end):
         need = ids if a >= lo else ids[lo - a:]
         if 0 in need:
             return None
-        out.append((c, list(ids) if a >= lo else [p.NO_BLOCK] * (lo - a) + list(need)))
+        if need.count(p.NO_BLOCK) < len(need):  # a key whose needed ids are all NO_BLOCK moves nothing
+            out.append((c, list(ids) if a >= lo else [p.NO_BLOCK] * (lo - a) + list(need)))
     return out
 
 

@@ -40,8 +40,8 @@ class _Step:
 
 def _blocks_within(blocks, n):
     """Whether every block id of blocks but NO_BLOCK is in [0, n)."""
-    if blocks and 0 <= min(blocks) and max(blocks) < n:
-        return True  # the common case, at C speed
+    if blocks and set(map(type, blocks)) == {int} and 0 <= min(blocks) and max(blocks) < n:
+        return True  # the common case (ints only), at C speed
     return all(x == p.NO_BLOCK or 0 <= x < n for x in blocks)
 
 

@@ -264,7 +264,7 @@ class SpecTransfers:
         nothing (counted then as the manager's store_unverified_keys).
         Called with _cv held."""
         until = time.monotonic() + self._opts["daemon_wait_s"]
-        while self._registering and self._broken is not None and not self._closing:
+        while self._registering is not None and self._broken is not None and not self._closing:
             left = until - time.monotonic()
             if left <= 0:
                 return

@@ -160,11 +160,12 @@ class SpecWorker(SpecTransfers, Reconnects):
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._broken = None          # why the connection is gone (text), until a reconnection
-        # A connection whose caches the daemon may know already, not yet in
-        # use: from _open's first registration to _swap_locked (or its
-        # failure). The manager may find the caches and hand out stores
-        # meanwhile; _start holds those until it ends (_await_registration).
-        self._registering = False
+        # The client of a connection whose caches the daemon may count
+        # already, not yet in use: from _open's first registration to
+        # _swap_locked, or until the connection is dropped or fails. The
+        # manager may find the caches and hand out stores meanwhile; _start
+        # holds those until then (_await_registration_locked).
+        self._registering = None
         self._closing = False
         self._reconnectors = []      # threads connecting again (shutdown joins them)
         self._transfers = {}
@@ -190,7 +191,7 @@ class SpecWorker(SpecTransfers, Reconnects):
         # _regions: storage address -> (region id, offset of the storage in
         # the region); _caches: per group, (cache id, num blocks).
         conn, absent = self._connect_at_start()
-        self._registering = False  # before any thread: a connection at start is in use at once
+        self._registering = None  # before any thread: a connection at start is in use at once
         if conn is not None:
             self._client, self._regions, self._caches, self.namespaces = conn
         else:
@@ -271,30 +272,39 @@ class SpecWorker(SpecTransfers, Reconnects):
         """A connection with every group's namespace declared and its
         tensors registered: (client, regions, caches, namespace models)."""
         o = self._opts
+        registering = []  # the client, once its first cache is registered
 
         def set_up(client):
             regions, caches, names = {}, [], []
             self._join_group(client)
-            try:
-                for g, planes in enumerate(self._layer_planes):
-                    geo = sc.geometry(sc.describe(self._ident, g, self.shard))
-                    ns = client.declare(geo)
-                    _namespace.check_served(ns.fingerprint, geo)  # kvhost mounts only, as the manager's
-                    names.append(geo.model)
-                    layers, blocks = [], None
-                    for ti, off in planes:
-                        layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
-                        blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
+            for g, planes in enumerate(self._layer_planes):
+                geo = sc.geometry(sc.describe(self._ident, g, self.shard))
+                ns = client.declare(geo)
+                _namespace.check_served(ns.fingerprint, geo)  # kvhost mounts only, as the manager's
+                names.append(geo.model)
+                layers, blocks = [], None
+                for ti, off in planes:
+                    layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
+                    blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
+                if not registering:
                     with self._lock:
-                        self._registering = True  # the daemon may count this cache from here on
-                    caches.append((client.register_cache(ns, layers), blocks))
-            except BaseException:
-                with self._cv:
-                    self._registering = False
-                    self._cv.notify_all()
-                raise
+                        self._registering = client  # the daemon may count this cache from here on
+                    registering.append(client)
+                caches.append((client.register_cache(ns, layers), blocks))
             return client, regions, caches, names
-        return connect(o, f"{o['client_name']}-worker{self.rank}", set_up)
+        try:
+            return connect(o, f"{o['client_name']}-worker{self.rank}", set_up)
+        except BaseException:
+            if registering:  # the connection failed after its first registration: no store waits for it
+                self._end_registering(registering[0])
+            raise
+
+    def _end_registering(self, client):
+        """No store waits any more for client's connection (_registering)."""
+        with self._cv:
+            if self._registering is client:
+                self._registering = None
+                self._cv.notify_all()
 
     def _join_group(self, client):
         """Joins this engine's group (vLLM's engine_id) before registering
@@ -361,14 +371,14 @@ class SpecWorker(SpecTransfers, Reconnects):
         """The new connection, with the tensors registered on it anew (CUDA
         IPC imports and regions belong to a connection)."""
         self._client, self._regions, self._caches, self.namespaces = new
-        self._registering = False  # _swap_in notifies _cv
+        if self._registering is new[0]:
+            self._registering = None  # in use (_swap_in notifies _cv)
 
     def _drop(self, conn):
-        """A connection made but not used (shutting down, or another in use):
-        closed, and no store waits for it any more."""
-        with self._cv:
-            self._registering = False
-            self._cv.notify_all()
+        """Closes a connection no longer used (the one replaced, or a new
+        one not used: shutting down, or another in use); no store waits
+        for a new one any more."""
+        self._end_registering(conn[0] if isinstance(conn, tuple) else conn)
         super()._drop(conn)
 
     def shutdown(self):
