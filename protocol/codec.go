@@ -87,6 +87,18 @@ func (d *decoder) count(what string, lo, hi, minSize int) int {
 	return int(v)
 }
 
+// sectionCount reads the u32 count of a section that holds one entry per
+// element of an earlier section (of, want of them): 0 and d failed where
+// it is another count.
+func (d *decoder) sectionCount(section, of string, want int) int {
+	n := d.u32(section + " count")
+	if d.err == nil && int64(n) != int64(want) {
+		d.fail("%s section of %d %s after %d", section, n, of, want)
+		return 0
+	}
+	return int(n)
+}
+
 // str8 reads a string with a u8 length of at most max bytes.
 func (d *decoder) str8(what string, max int) string {
 	n := int(d.u8(what + " length"))

@@ -1244,11 +1244,7 @@ func appendClasses(b []byte, mounts []MountInfo) []byte {
 // decodeClasses decodes the classes section into m's mounts (a reply of
 // a daemon that predates it ends before it).
 func decodeClasses(d *decoder, m *DaemonStats) {
-	n := int(d.u32("class count"))
-	if d.err == nil && n != len(m.Mounts) {
-		d.fail("classes section of %d mounts after %d", n, len(m.Mounts))
-		return
-	}
+	n := d.sectionCount("classes", "mounts", len(m.Mounts))
 	for i := 0; d.err == nil && i < n; i++ {
 		m.Mounts[i].Class = d.str8("mount class", maxClassName)
 	}
@@ -1284,11 +1280,7 @@ func appendNamespaces(b []byte, nl *NamespaceList) []byte {
 // decodeCaches decodes the caches section into nl's namespaces (a reply
 // of a daemon that predates it ends before it).
 func decodeCaches(d *decoder, nl *NamespaceList) {
-	n := int(d.u32("caches count"))
-	if d.err == nil && n != len(nl.List) {
-		d.fail("caches section of %d namespaces after %d listed", n, len(nl.List))
-		return
-	}
+	n := d.sectionCount("caches", "namespaces", len(nl.List))
 	for i := 0; d.err == nil && i < n; i++ {
 		nl.List[i].Caches = d.u32("namespace caches")
 	}

@@ -338,12 +338,12 @@ func fileLimit(want int) int {
 // number alone could name another file by the time a job finds it).
 func identify(f fsys.File) (fileID, bool) { return identifyFrom(f, 1) }
 
-// identifyFrom is identify for files of min bytes or more: a smaller one
-// is not identified, and costs one fstat (no file handle asked for).
-func identifyFrom(f fsys.File, min int64) (fileID, bool) {
+// identifyFrom is identify for files of least bytes or more: a smaller
+// one is not identified, and costs one fstat (no file handle asked for).
+func identifyFrom(f fsys.File, least int64) (fileID, bool) {
 	var st unix.Stat_t
 	fd := int(f.Fd())
-	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink == 0 || st.Size < max(min, 1) {
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink == 0 || st.Size < max(least, 1) {
 		return fileID{}, false
 	}
 	id := fileID{fsys.FileIDOf(fd, &st), st.Size}

@@ -298,6 +298,16 @@ if __name__ == "__main__":
     unittest.main()
 
 
+def load_bench():
+    """scripts/ttft-bench.py as a module, for its functions and classes."""
+    import importlib.util
+    sys.path[:0] = [os.path.join(REPO, "scripts"), os.path.join(REPO, "client", "python", "tests")]
+    spec = importlib.util.spec_from_file_location("ttft_bench", os.path.join(REPO, "scripts", "ttft-bench.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
 class TestSettle(unittest.TestCase):
     """The bench's settle: it waits for the daemon's work after a store
@@ -305,11 +315,7 @@ class TestSettle(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        import importlib.util
-        sys.path[:0] = [os.path.join(REPO, "scripts"), os.path.join(REPO, "client", "python", "tests")]
-        spec = importlib.util.spec_from_file_location("ttft_bench", os.path.join(REPO, "scripts", "ttft-bench.py"))
-        cls.mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cls.mod)
+        cls.mod = load_bench()
 
     def test_a_reading_sums_each_metric_over_its_series_and_reads_0_where_it_is_missing(self):
         text = ("# HELP kvhost_spare_files_made_total x\nkvhost_spare_files_made_total 12\n"
@@ -343,11 +349,7 @@ class TestRequestHashes(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        import importlib.util
-        sys.path[:0] = [os.path.join(REPO, "scripts"), os.path.join(REPO, "client", "python", "tests")]
-        spec = importlib.util.spec_from_file_location("ttft_bench", os.path.join(REPO, "scripts", "ttft-bench.py"))
-        cls.mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cls.mod)
+        cls.mod = load_bench()
 
     def connector(self):
         """A Connector without a daemon: what hashes reads of it."""
