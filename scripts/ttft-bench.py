@@ -209,6 +209,11 @@ def parse_args(argv=None):
                               "llmd"}
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}")
+    if "split" in a.modes and "half" not in a.modes:
+        # Through recompute and suffix alone a straight line fits exactly,
+        # and a split priced without attention's quadratic term claims
+        # too many tokens.
+        ap.error("split prices compute by a fit through recompute, half and suffix: add half to --modes")
     if not a.dir and not a.socket:
         ap.error("give --dir (a daemon is started there) or --socket")
     if a.daemon_trace and (a.socket or "[metrics]" in a.daemon_toml):

@@ -5,7 +5,9 @@ llm-d. The script must say ok True where each load put back the
 recomputation's bytes, and ok False, with exit status 1, where a stored
 file was corrupted: never a silent pass."""
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -306,6 +308,20 @@ def load_bench():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
+class TestArguments(unittest.TestCase):
+    """The bench refuses a run whose figures would mislead."""
+
+    def test_split_without_half_is_refused_naming_the_missing_mode(self):
+        mod = load_bench()
+        err = io.StringIO()
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(err):
+            mod.parse_args(["--dir", "/tmp/x", "--modes", "recompute,suffix,whole,split"])
+        self.assertIn("add half to --modes", err.getvalue())
+        a = mod.parse_args(["--dir", "/tmp/x", "--modes", "recompute,suffix,half,whole,split"])
+        self.assertEqual(a.modes, ["recompute", "suffix", "half", "whole", "split"])
 
 
 @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
