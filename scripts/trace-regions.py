@@ -108,12 +108,11 @@ def steps(lines):
     order, of (logged range, begin, its first FIRST_READ region's begin,
     its last FIRST_READ region's end, end), in nanoseconds; None where a
     task read nothing, or did not end in the trace."""
-    tasks, order = {}, []  # task id -> [message, begin, first read, last read end, end]
+    tasks = {}  # task id -> [message, begin, first read, last read end, end]
     stacks = collections.defaultdict(list)  # goroutine -> its open regions, (type, begin)
     for g, kind, t, ident, name in events(lines):
         if kind == "TaskBegin" and name == "load":
             tasks[ident] = [None, t, None, None, None]
-            order.append(ident)
         elif kind == "Log" and ident in tasks and tasks[ident][0] is None:
             tasks[ident][0] = name
         elif kind == "TaskEnd" and ident in tasks:
@@ -127,8 +126,7 @@ def steps(lines):
                 task[2] = begin if task[2] is None else min(task[2], begin)
                 task[3] = t if task[3] is None else max(task[3], t)
     out = []
-    for ident in sorted(order, key=lambda i: tasks[i][1]):
-        task = tasks[ident]
+    for task in sorted(tasks.values(), key=lambda task: task[1]):
         if (task[0] or "").startswith("layers [0,"):
             out.append([])
         if out:

@@ -142,6 +142,12 @@ def connect_again(cv, closing, every, connect, log, what):
                 log.warning("kvhost %s: still no daemon connection after %d tries: %s", what, tries, e)
 
 
+def client_of(conn):
+    """The client of a connection: conn itself, or the first item of what
+    an _open() returned."""
+    return conn[0] if isinstance(conn, tuple) else conn
+
+
 class Reconnects:
     """What the tier, the spec's manager and its workers share about a lost
     daemon connection: noticing it once, connecting again on a thread of
@@ -248,7 +254,7 @@ class Reconnects:
         returned, the client first. Once the daemon has ended its jobs:
         a connection this side stopped sending on may still have jobs
         running, whose memory must not be used again before they end."""
-        (conn[0] if isinstance(conn, tuple) else conn).close_after_jobs()
+        client_of(conn).close_after_jobs()
 
     def _join_reconnectors(self, until=None):
         """Waits for the reconnect threads (after _closing was set), until

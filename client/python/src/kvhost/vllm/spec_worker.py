@@ -17,7 +17,7 @@ from .. import protocol as p
 from ..client import KvhostError, Layer
 from . import _namespace, spec_compat as sc
 from ._common import vllm_installed
-from ._connect import Reconnects, connect
+from ._connect import Reconnects, client_of, connect
 from ._namespace import IdentityUnknown
 from ._regions import host_mapping, region_of
 from ._spec_transfers import SpecTransfers, _stream_fence
@@ -378,7 +378,7 @@ class SpecWorker(SpecTransfers, Reconnects):
         """Closes a connection no longer used (the one replaced, or a new
         one not used: shutting down, or another in use); no store waits
         for a new one any more."""
-        self._end_registering(conn[0] if isinstance(conn, tuple) else conn)
+        self._end_registering(client_of(conn))
         super()._drop(conn)
 
     def shutdown(self):
