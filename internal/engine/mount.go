@@ -315,12 +315,16 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// have its loads read through the page cache where that is faster
 		// (loadFile drops the pages after). A network file system's
 		// page cache may hold another node's old bytes: never there.
+		// Such a disk's tuned loads start buffered, as llm-d's and
+		// LMCache's disk reads are, and tuning tries O_DIRECT from there
+		// (RATIONALE.md, "Why do a local disk's loads start buffered?").
 		n := e.cfg.IOWorkers
 		if m.LoadReaders > 0 {
 			n = min(m.LoadReaders, n)
 		}
-		mt.readers = iotune.New(iotune.Config{Max: n, Fixed: m.LoadReaders > 0, Buffered: !mt.direct,
-			Modes: mt.direct && io == IOAuto && !mt.network, Now: e.cfg.Now})
+		modes := mt.direct && io == IOAuto && !mt.network
+		mt.readers = iotune.New(iotune.Config{Max: n, Fixed: m.LoadReaders > 0,
+			Buffered: !mt.direct || modes && m.LoadReaders == 0, Modes: modes, Now: e.cfg.Now})
 	}
 	if k.CloseToOpen && !mt.direct {
 		// With O_DIRECT every write reaches the server before it returns.

@@ -84,6 +84,37 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 	})
 }
 
+// TestADiskMountsTunedLoadsStartBuffered: a local disk that takes
+// O_DIRECT by choice (io = "auto") starts its tuned loads through the
+// page cache, with O_DIRECT for tuning to try; load_readers fixes io's
+// mode, and io = "direct" or "buffered" is what its loads read with.
+func TestADiskMountsTunedLoadsStartBuffered(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		io           string
+		readers      int
+		wantBuffered bool
+	}{
+		{"auto, tuned: buffered", IOAuto, 0, true},
+		{"auto, fixed: O_DIRECT, io's", IOAuto, 2, false},
+		{"direct, tuned: O_DIRECT", IODirect, 0, false},
+		{"buffered, tuned: buffered", IOBuffered, 0, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pol := newTestPolicy(1, abi.OrderLayerMajor)
+			e := openEngine(t, Config{IOWorkers: 4, Mounts: []Mount{{Path: diskDir(t), IO: tc.io, LoadReaders: tc.readers}},
+				NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
+			if tc.io != IOBuffered && !e.mounts[0].direct {
+				t.Fatalf("%s does not take O_DIRECT: nothing to compare", e.mounts[0].root)
+			}
+			if got := e.Stats().Mounts[0].LoadBuffered; got != tc.wantBuffered {
+				t.Fatalf("the mount's loads read buffered: %v, want %v", got, tc.wantBuffered)
+			}
+			storeAndLoadBack(t, e, 4)
+		})
+	}
+}
+
 // storeAndLoadBack stores n keys of random bytes in a fresh namespace of
 // the small geometry and loads them back into other blocks, requiring
 // every byte back.
