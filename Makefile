@@ -171,22 +171,36 @@ test: tools build wasm lint
 		XDG_CACHE_HOME=$(TEST_WASM_ROOT) bin/kvhost config show --policy $$p >/dev/null || exit 1; \
 	done
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) $(GO) test -count=1 -run '^TestBuiltinsPass$$' ./host/policy/conformance
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-race test-python
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-race test-python test-norace
 	$(MAKE) --no-print-directory test-cluster-bounded
 	$(MAKE) --no-print-directory test-objects
 	$(MAKE) --no-print-directory fuzz
 
 # The race suite, as `make test` runs it (after compiling the plugins
-# into TEST_WASM_CACHE), beside the Python tests: those wait on their
+# into TEST_WASM_CACHE), beside the Python tests and test-norace: those wait on their
 # daemons most of the time, and the race suite's longest package
 # (cmd/kvhost) sets its end. --output-sync prints each one's output
 # whole when it ends. Run alone on a fresh checkout, it first builds the
 # wasm modules its tests load (any one missing); under `make test`, which
 # built them already, its parallel step does not build them again.
-.PHONY: test-race
+.PHONY: test-race test-norace
 TEST_WASM_FILES := $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
 test-race: $(if $(filter-out $(wildcard $(TEST_WASM_FILES)),$(TEST_WASM_FILES)),wasm)
-	KVHOST_CLUSTER_MOUNTS= KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -tags invariants -count=1 -p 4 -timeout 30m ./...
+	KVHOST_CLUSTER_MOUNTS= KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -tags invariants -count=1 -p 4 -timeout 30m -skip '^($(NORACE_TESTS))$$' ./...
+
+# The long tests of one goroutine's computation, which test-race skips
+# and test-norace runs without the race detector: it made them 5-7 times
+# slower (TestClusterCutoff... 117 s of CPU against 19; the policy
+# host's fuel, metering and conformance runs, where wazero compiles
+# under it) with nothing to find in them, and the concurrent paths they
+# pass through (a module's load, its shards) are raced by their
+# packages' other tests. norace_test.go holds each name to a test
+# function of NORACE_PKGS and of no other package (test-race's -skip
+# applies to every package).
+NORACE_TESTS := TestClusterCutoffHitRateIsWithinFivePercentOfOneGlobalLRU|TestRankScaleHoldsWithTheParameters|TestLFUAgingOverManyEntriesStaysWithinItsFuel|TestALateHitOfARemovedEntryIsNoFailure|TestMeteredLRUMatchesNative|TestInstrumentFixtures|TestConformance
+NORACE_PKGS  := ./internal/clustercap ./host/policy ./host/policy/conformance ./host/policy/internal/meter ./examples/go-policy ./examples/wat-policy ./examples/c-policy
+test-norace: $(if $(filter-out $(wildcard $(TEST_WASM_FILES)),$(TEST_WASM_FILES)),wasm)
+	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) $(GO) test -tags invariants -count=1 -timeout 30m -run '^($(NORACE_TESTS))$$' $(NORACE_PKGS)
 
 # The long reliability suite (docs/reliability.md): at least 100 SIGKILLs and
 # 100,000 acknowledged keys, minutes of shared-directory workload. The ext4

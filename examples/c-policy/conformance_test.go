@@ -28,8 +28,8 @@ func module(t *testing.T) []byte {
 // TestConformance runs kvhost's plugin conformance suite (what
 // `kvhost policy test examples/c-policy/policy.wasm` runs) on the module.
 func TestConformance(t *testing.T) {
-	// A generous deadline: this test checks behaviour, and CI runs it under
-	// -race beside other packages on two cores.
+	// A generous deadline: this test checks behaviour, and CI runs it
+	// beside the race suite on two cores (`make test`'s test-norace).
 	r := conformance.Run(context.Background(), module(t), conformance.Options{CallTimeout: time.Second, Name: "c-policy"})
 	if !r.OK() {
 		var b strings.Builder

@@ -21,9 +21,10 @@ func TestConformance(t *testing.T) {
 	// One compilation cache for the suite's hosts: the module compiles once.
 	cache := wazero.NewCompilationCache()
 	defer cache.Close(context.Background())
-	// CI runs this under -race beside other packages on two cores, where a
-	// Go-built module's slowest call nears the 100 ms production deadline;
-	// this test checks behaviour, so it allows more time per call.
+	// CI runs this beside the race suite on two cores (`make test`'s
+	// test-norace), where a module's slowest call may near the 100 ms
+	// production deadline; this test checks behaviour, so it allows more
+	// time per call.
 	r := conformance.Run(context.Background(), wasm, conformance.Options{Cache: cache, CallTimeout: time.Second, Name: "wat-policy"})
 	if !r.OK() {
 		var b strings.Builder
