@@ -33,7 +33,11 @@ of its last read (how long the copies took), then per task its begin,
 first read's start, last read's end and end:
 
     step 0 tasks 10 first_read_ms 0.35 reads_ms 84.65
-    step 0 task layers [0, 1) begin_ms 0.00 first_read_ms 0.35 last_read_end_ms 5.28 end_ms 5.45
+    step 0 task layers [0, 1) begin_ms 0.00 first_read_ms 0.35 last_read_end_ms 5.28 end_ms 5.45 files 126 open16_ms 0.74 read_end_p95_ms 3.40
+
+(files: its reads; open16_ms: its 16th file's open, the default file
+slots all taken; read_end_p95_ms: its reads' 95th percentile end, beside
+the last read's end.)
 """
 
 import argparse
@@ -101,18 +105,22 @@ def durations(lines):
     return by_task, by_log, regions, first_task, first_log
 
 
+OPEN = "load: open"  # a file's first region: when its goroutine began on it
+
+
 def steps(lines):
     """The layer-wise steps of the trace: the load tasks from each one whose
     logged range begins at layer 0 up to the next such (tasks before the
     first are left out: a step the trace cut). Each step a list, in begin
     order, of (logged range, begin, its first FIRST_READ region's begin,
-    its last FIRST_READ region's end, end), in nanoseconds; None where a
-    task read nothing, or did not end in the trace."""
-    tasks = {}  # task id -> [message, begin, first read, last read end, end]
+    its last FIRST_READ region's end, end, its OPEN regions' begins, its
+    FIRST_READ regions' ends), in nanoseconds, the lists sorted; None
+    where a task read nothing, or did not end in the trace."""
+    tasks = {}  # task id -> [message, begin, first read, last read end, end, opens, read ends]
     stacks = collections.defaultdict(list)  # goroutine -> its open regions, (type, begin)
     for g, kind, t, ident, name in events(lines):
         if kind == "TaskBegin" and name == "load":
-            tasks[ident] = [None, t, None, None, None]
+            tasks[ident] = [None, t, None, None, None, [], []]
         elif kind == "Log" and ident in tasks and tasks[ident][0] is None:
             tasks[ident][0] = name
         elif kind == "TaskEnd" and ident in tasks:
@@ -125,8 +133,13 @@ def steps(lines):
             if begin is not None and name == FIRST_READ and task is not None:
                 task[2] = begin if task[2] is None else min(task[2], begin)
                 task[3] = t if task[3] is None else max(task[3], t)
+                task[6].append(t)
+            elif begin is not None and name == OPEN and task is not None:
+                task[5].append(begin)
     out = []
     for task in sorted(tasks.values(), key=lambda task: task[1]):
+        task[5].sort()
+        task[6].sort()
         if (task[0] or "").startswith("layers [0,"):
             out.append([])
         if out:
@@ -137,7 +150,11 @@ def steps(lines):
 def report_steps(lines, out=sys.stdout):
     """One line per layer-wise step (its first read's start after its first
     task began; from there to the end of its last read, of any task) and
-    one per task, in ms from the step's first task's begin."""
+    one per task, in ms from the step's first task's begin: its begin,
+    first read's start, last read's end and end; then how many files it
+    read, when its 16th file's open began (the default file slots all
+    taken: how fast the job fills them) and the end of its reads' 95th
+    percentile (beside the last read's end: how long its stragglers took)."""
     ss = steps(lines)
     ms = lambda ns, t0: "-" if ns is None else f"{(ns - t0) / 1e6:.2f}"
     for k, step in enumerate(ss):
@@ -146,9 +163,12 @@ def report_steps(lines, out=sys.stdout):
         last = max((t[3] for t in step if t[3] is not None), default=None)
         span = "-" if first is None or last is None else f"{(last - first) / 1e6:.2f}"
         print(f"step {k} tasks {len(step)} first_read_ms {ms(first, t0)} reads_ms {span}", file=out)
-        for msg, begin, fr, lr, end in step:
+        for msg, begin, fr, lr, end, opens, ends in step:
+            p95 = ends[min(len(ends) - 1, int(0.95 * len(ends)))] if ends else None
             print(f"step {k} task {msg} begin_ms {ms(begin, t0)} first_read_ms {ms(fr, t0)} "
-                  f"last_read_end_ms {ms(lr, t0)} end_ms {ms(end, t0)}", file=out)
+                  f"last_read_end_ms {ms(lr, t0)} end_ms {ms(end, t0)} files {len(ends)} "
+                  f"open16_ms {ms(opens[15] if len(opens) >= 16 else None, t0)} read_end_p95_ms {ms(p95, t0)}",
+                  file=out)
     return bool(ss)
 
 

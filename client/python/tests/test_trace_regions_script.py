@@ -71,11 +71,35 @@ class TestTraceRegions(unittest.TestCase):
         self.assertEqual(out.getvalue().splitlines(), [
             # First read began 0.4 ms after the step (goroutine 9's), the last ended at 6 ms.
             "step 0 tasks 2 first_read_ms 0.40 reads_ms 4.60",
-            "step 0 task layers [0, 1) begin_ms 0.00 first_read_ms 0.40 last_read_end_ms 2.00 end_ms 2.10",
-            "step 0 task layers [1, 2) begin_ms 0.20 first_read_ms 2.00 last_read_end_ms 5.00 end_ms 5.50",
+            "step 0 task layers [0, 1) begin_ms 0.00 first_read_ms 0.40 last_read_end_ms 2.00 end_ms 2.10 "
+            "files 2 open16_ms - read_end_p95_ms 2.00",
+            "step 0 task layers [1, 2) begin_ms 0.20 first_read_ms 2.00 last_read_end_ms 5.00 end_ms 5.50 "
+            "files 1 open16_ms - read_end_p95_ms 5.00",
             "step 1 tasks 1 first_read_ms - reads_ms -",
-            "step 1 task layers [0, 2) begin_ms 0.00 first_read_ms - last_read_end_ms - end_ms -",
+            "step 1 task layers [0, 2) begin_ms 0.00 first_read_ms - last_read_end_ms - end_ms - "
+            "files 0 open16_ms - read_end_p95_ms -",
         ])
+
+    def test_a_tasks_line_says_when_its_16th_file_opened_and_how_late_its_stragglers_ended(self):
+        # One task of 60 files, file i opened at 100 + 10 i us and read
+        # from there to 1 ms + 50 i us, but the last two ended at 9 and
+        # 10 ms: the 16th opened at 0.25 ms, the 58th read (the 95th
+        # percentile's) ended at 3.85 ms.
+        lines = ['M=1 P=0 G=1 TaskBegin Time=0 ID=1 Parent=18446744073709551615 Type="load"',
+                 'M=1 P=0 G=1 Log Time=10 Task=1 Category="layers" Message="layers [0, 1)"']
+        for i in range(60):
+            g, opened = 100 + i, 100_000 + 10_000 * i
+            end = {58: 9_000_000, 59: 10_000_000}.get(i, 1_000_000 + 50_000 * i)
+            lines += [f'M=1 P=0 G={g} RegionBegin Time={opened} Task=1 Type="load: open"',
+                      f'M=1 P=0 G={g} RegionEnd Time={opened + 5_000} Task=1 Type="load: open"',
+                      f'M=1 P=0 G={g} RegionBegin Time={opened + 6_000} Task=1 Type="load: read"',
+                      f'M=1 P=0 G={g} RegionEnd Time={end} Task=1 Type="load: read"']
+        lines.append('M=1 P=0 G=1 TaskEnd Time=10100000 ID=1 Parent=18446744073709551615 Type="load"')
+        out = io.StringIO()
+        self.assertTrue(tr.report_steps(lines, out))
+        self.assertEqual(out.getvalue().splitlines()[1],
+                         "step 0 task layers [0, 1) begin_ms 0.00 first_read_ms 0.11 last_read_end_ms 10.00 "
+                         "end_ms 10.10 files 60 open16_ms 0.25 read_end_p95_ms 3.85")
 
     def test_a_trace_without_a_step_from_layer_0_reports_none(self):
         self.assertFalse(tr.report_steps(PARSED.splitlines()[9:], io.StringIO()))
