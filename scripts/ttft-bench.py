@@ -809,6 +809,8 @@ class Bench:
                                            "loaded_bytes_reps": nbytes[a.warmup:],
                                            "logits_equal_suffix_ceiling": as_suffix,
                                            "page_cache_dropped": dropped})
+            for mount, (n, buffered) in (extra.get("load_readers_after") or {}).items():
+                print(f"readers P {p} mode {mode} mount {mount} readers {n} buffered {bool(buffered)}", flush=True)
 
         if "bound" in a.modes:
             self.bound(p, tokens, ref_kv, load_mode)

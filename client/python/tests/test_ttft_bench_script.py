@@ -98,6 +98,8 @@ class TestTtftBenchScript(unittest.TestCase):
             n, buffered = next(iter(readers.values()))
             self.assertGreaterEqual(n, 1)
             self.assertIn(buffered, (0, 1))
+            # and a line of the output says it after the mode's line.
+            self.assertRegex(out.stdout, rf"readers P 64 mode whole mount \S+ readers {n} buffered {bool(buffered)}\n")
         # The whole load's rate is its bytes over its time beyond the
         # suffix's: none where the tiny model's noise put it under.
         if size["modes"]["whole"]["median_ms"] > size["modes"]["suffix"]["median_ms"]:
