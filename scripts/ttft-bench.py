@@ -420,14 +420,19 @@ def settle_reading(text, names=SETTLE_METRICS):
     return tuple(sums[k] for k in names)
 
 
+def metrics_text(metrics_addr):
+    """The daemon's metrics now, as its listener's /metrics exposes them."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
 def registered_files(metrics_addr):
     """How many files the daemon holds registered with CUDA now (None
     where it cannot be asked): what a load mode's repetitions found."""
     if not metrics_addr:
         return None
-    import urllib.request
-    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
-        return int(settle_reading(r.read().decode(), ("kvhost_gpu_registered_files",))[0])
+    return int(settle_reading(metrics_text(metrics_addr), ("kvhost_gpu_registered_files",))[0])
 
 
 def load_readers(metrics_addr):
@@ -438,11 +443,8 @@ def load_readers(metrics_addr):
     cannot be asked."""
     if not metrics_addr:
         return None
-    import urllib.request
-    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
-        text = r.read().decode()
     out = {}
-    for line in text.splitlines():
+    for line in metrics_text(metrics_addr).splitlines():
         m = re.match(r'^kvhost_mount_load_(readers|buffered)\{mount="([^"]*)"\} ([0-9.eE+-]+)$', line)
         if m:
             out.setdefault(m[2], [0, 0])[m[1] == "buffered"] = int(float(m[3]))
@@ -491,11 +493,8 @@ def settle(metrics_addr, still_s=0.3, limit_s=60.0, read=None):
     if not metrics_addr:
         return None
     if read is None:
-        import urllib.request
-
         def read():
-            with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5) as r:
-                return settle_reading(r.read().decode())
+            return settle_reading(metrics_text(metrics_addr))
     t0 = time.monotonic()
     last, since = None, t0
     while time.monotonic() - t0 < limit_s:
