@@ -105,6 +105,18 @@ make_user() {
 		--access-key "$ACCESS_KEY" --secret "$SECRET_KEY"
 }
 
+# warm_pools writes one object to a bucket and removes both, so that the
+# radosgw makes its bucket index and data pools now, not inside a test's
+# first request (several seconds on a busy machine: longer than a test's
+# request timeout).
+warm_pools() {
+	local url
+	url="http://127.0.0.1:$(rgw_port)/kvhost-warm-pools"
+	s3() { curl -sSf -o /dev/null --aws-sigv4 "aws:amz:us-east-1:s3" --user "$ACCESS_KEY:$SECRET_KEY" -H "x-amz-content-sha256: UNSIGNED-PAYLOAD" "$@"; }
+	s3 -X PUT "$url" && s3 -X PUT --data-binary warm "$url/warm" &&
+		s3 -X DELETE "$url/warm" && s3 -X DELETE "$url"
+}
+
 # kill_rgw SIGNAL: signals the radosgw and waits for it to exit (SIGKILL
 # after 5 s). cephfs.sh's stop signals only processes named ceph-*.
 kill_rgw() {
@@ -178,6 +190,7 @@ up)
 	step "start radosgw" start_rgw 9>&-
 	exec 9>&-
 	step "make the S3 user" make_user
+	step "make the bucket pools" warm_pools
 	printf 'rgw: %-22s %6.2f s\n' "up" "$(awk "BEGIN{print $(now)-$t0}")" >&2
 	echo "http://127.0.0.1:$(rgw_port)"
 	;;

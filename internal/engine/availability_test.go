@@ -23,6 +23,7 @@ import (
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/testlog"
 )
 
 // logCount is a slog handler that counts records whose message contains
@@ -46,7 +47,7 @@ func (l logCount) WithAttrs(a []slog.Attr) slog.Handler {
 
 func countingLogger(t *testing.T, match string) (*slog.Logger, *atomic.Int64) {
 	n := &atomic.Int64{}
-	h := slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo})
+	h := slog.NewTextHandler(testlog.Writer(t), &slog.HandlerOptions{Level: slog.LevelInfo})
 	return slog.New(logCount{h, match, n}), n
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/clustercap"
 	"github.com/kvhost/kvhost/internal/engine/cluster"
+	"github.com/kvhost/kvhost/internal/testlog"
 )
 
 // errorCount is a slog.Handler counting the records at level ERROR or
@@ -41,7 +42,7 @@ func (l errorCount) WithAttrs(a []slog.Attr) slog.Handler {
 // errorLogger logs through t and counts the ERROR lines holding match.
 func errorLogger(t *testing.T, match string) (*slog.Logger, *atomic.Int64) {
 	n := &atomic.Int64{}
-	h := slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo})
+	h := slog.NewTextHandler(testlog.Writer(t), &slog.HandlerOptions{Level: slog.LevelInfo})
 	return slog.New(errorCount{h, match, n}), n
 }
 

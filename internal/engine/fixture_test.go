@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/testlog"
 	"github.com/kvhost/kvhost/region"
 )
 
@@ -149,16 +150,7 @@ func blockLists(r *rand.Rand, n, bpk, first int) [][]int {
 	return out
 }
 
-func testLogger(t testing.TB) *slog.Logger {
-	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-}
-
-type tWriter struct{ t testing.TB }
-
-func (w tWriter) Write(b []byte) (int, error) {
-	w.t.Log(strings.TrimSpace(string(b)))
-	return len(b), nil
-}
+func testLogger(t testing.TB) *slog.Logger { return testlog.New(t) }
 
 func openEngine(t testing.TB, cfg Config) *Engine {
 	t.Helper()

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/testlog"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
 )
@@ -592,6 +593,6 @@ func TestAProbeAllocatesTheSizeThatFailedForLackOfRoom(t *testing.T) {
 // applied before either log line.
 func probeLogger(t *testing.T) (*slog.Logger, *atomic.Int64) {
 	probes := &atomic.Int64{}
-	h := slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})
+	h := slog.NewTextHandler(testlog.Writer(t), &slog.HandlerOptions{Level: slog.LevelDebug})
 	return slog.New(logCount{logCount{h, "the mount still refuses stores", probes}, "the mount takes stores again", probes}), probes
 }

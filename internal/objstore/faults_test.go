@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/objstore/objstoretest"
+	"github.com/kvhost/kvhost/internal/testlog"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -176,6 +177,7 @@ func TestFullBucketFailsUploadsAndKeepsWhatItHas(t *testing.T) {
 	// room for themselves, and then none for the whole.
 	one := cfg
 	one.Uploads, one.Requests = 1, 1
+	one.Logger = testlog.New(t) // why an upload failed
 	a := objstoretest.OpenNode(t, filepath.Join(t.TempDir(), "a"), one)
 	rgwCtl(t, "bucket-quota", cfg.Bucket, "12582912") // 12 MiB: one object of 8 MiB
 	objstoretest.Fill(a.Mem, 13)

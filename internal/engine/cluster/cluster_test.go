@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/internal/engine/cluster"
 	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
+	"github.com/kvhost/kvhost/internal/testlog"
 )
 
 // These tests run a cluster mount alone: its own index and space, and a
@@ -164,13 +165,4 @@ func TestASecondCopyOfANodeDoesNotOpenItsMount(t *testing.T) {
 }
 
 // testLogger logs warnings and above through t.
-func testLogger(t *testing.T) *slog.Logger {
-	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-}
-
-type tWriter struct{ t *testing.T }
-
-func (w tWriter) Write(p []byte) (int, error) {
-	w.t.Log(strings.TrimSuffix(string(p), "\n"))
-	return len(p), nil
-}
+func testLogger(t *testing.T) *slog.Logger { return testlog.New(t) }
