@@ -129,7 +129,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			withSlot(idx, func() { e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, !e.mounts[en.Mount].direct) })
 			continue
 		}
-		buffered, err := g.Acquire(ctx)
+		rd, err := g.Acquire(ctx)
 		if err != nil {
 			failAll(idx, err)
 			continue
@@ -138,13 +138,13 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			// Whole files measure the mount's rate; a layer range's
 			// reads (a part of each file, the read-ahead past it) do not.
 			if lr.all() {
-				defer g.Release(en.Size)
+				defer g.Release(rd, en.Size)
 			} else {
-				defer g.ReleaseUnmeasured()
+				defer g.ReleaseUnmeasured(rd)
 			}
-			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, buffered)
+			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, rd.Buffered)
 		}) {
-			g.ReleaseUnmeasured() // no file slot: ctx ended
+			g.ReleaseUnmeasured(rd) // no file slot: ctx ended
 		}
 	}
 	for _, i := range objs {

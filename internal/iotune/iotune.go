@@ -10,7 +10,12 @@
 // a reader (the mount is the bottleneck), measures the bytes each arm
 // moves over windows of WindowBytes, moving one step at a time (half or
 // double the readers, or, where Config.Modes allows, the other mode)
-// toward the best arm it has measured. Every measurement ages: a
+// toward the best arm it has measured. A window's rate is its files'
+// bytes over their readers' shares of the mount's time (each reader's
+// time divided by the readers in flight with it), not over the window's
+// length: a file ends at once with its bytes, so a window counted by
+// length misses the bytes still in flight at its end, and more readers
+// hold more of them (at 16 readers of 32 MiB files, twice a window). Every measurement ages: a
 // neighbour of the best arm not measured for Stale windows is measured
 // again, so an arm learned under other conditions is never kept for good.
 package iotune
@@ -73,18 +78,41 @@ type Gate struct {
 	mu       sync.Mutex
 	arm      Arm // the arm in force: its Readers bound inflight
 	inflight int
-	waiters  []chan struct{}
+	waiters  []*waiter
 	win      window
-	tune     tuner
-	changes  uint64
+	// share is the share clock: the seconds each reader in flight has
+	// had of the mount, summed since the Gate began (the time divided by
+	// the readers in flight, at each moment); a reader's share over its
+	// read is the clock's advance from its grant to its release.
+	share   float64
+	shareAt time.Time // when share was last advanced
+	tune    tuner
+	changes uint64
 }
 
 // window is a measurement in progress: it runs while a reader is waited
-// for, from start, and has moved bytes.
+// for, and counts the bytes of the files its arm's readers ended and
+// their shares of the mount's time (seconds).
 type window struct {
 	active bool
-	start  time.Time
 	bytes  int64
+	shares float64
+}
+
+// Reader is a reader a Gate granted, given back by Release or
+// ReleaseUnmeasured.
+type Reader struct {
+	// Buffered says whether the reader reads through the page cache, not
+	// with O_DIRECT (the arm in force when it was granted).
+	Buffered bool
+	arm      Arm     // the arm in force at the grant
+	share    float64 // the Gate's share clock at the grant
+}
+
+// waiter is a load waiting for a reader: ch is closed once r is its.
+type waiter struct {
+	ch chan struct{}
+	r  Reader
 }
 
 // New returns a Gate of cfg.
@@ -99,100 +127,122 @@ func New(cfg Config) *Gate {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	return &Gate{cfg: cfg, arm: Arm{Readers: cfg.Max, Buffered: cfg.Buffered}, tune: newTuner(cfg.Max, cfg.Stale, cfg.Modes)}
+	return &Gate{cfg: cfg, arm: Arm{Readers: cfg.Max, Buffered: cfg.Buffered}, tune: newTuner(cfg.Max, cfg.Stale, cfg.Modes), shareAt: cfg.Now()}
+}
+
+// advanceLocked advances the share clock to now: called before every
+// change of inflight.
+func (g *Gate) advanceLocked() {
+	now := g.cfg.Now()
+	if g.inflight > 0 {
+		g.share += now.Sub(g.shareAt).Seconds() / float64(g.inflight)
+	}
+	g.shareAt = now
+}
+
+// grantOneLocked takes a reader of the arm in force.
+func (g *Gate) grantOneLocked() Reader {
+	g.inflight++
+	return Reader{Buffered: g.arm.Buffered, arm: g.arm, share: g.share}
 }
 
 // Acquire takes a reader, waiting while the bound is reached, or fails
-// with ctx's error. It returns whether the reader reads through the page
+// with ctx's error. The Reader says whether it reads through the page
 // cache (the arm in force when it was granted).
-func (g *Gate) Acquire(ctx context.Context) (buffered bool, err error) {
+func (g *Gate) Acquire(ctx context.Context) (Reader, error) {
 	g.mu.Lock()
 	if g.inflight < g.arm.Readers && len(g.waiters) == 0 {
-		g.inflight++
-		b := g.arm.Buffered
+		g.advanceLocked()
+		r := g.grantOneLocked()
 		g.mu.Unlock()
-		return b, nil
+		return r, nil
 	}
-	ch := make(chan struct{})
-	g.waiters = append(g.waiters, ch)
-	if !g.win.active {
-		// Loads wait for this mount: what it moves from now on is its
-		// rate at this count.
-		g.win = window{active: true, start: g.cfg.Now()}
-	}
+	w := &waiter{ch: make(chan struct{})}
+	g.waiters = append(g.waiters, w)
+	// Loads wait for this mount: what it moves from now on is its rate
+	// at this count.
+	g.win.active = true
 	g.mu.Unlock()
 	select {
-	case <-ch:
-		g.mu.Lock()
-		defer g.mu.Unlock()
-		return g.arm.Buffered, nil
+	case <-w.ch:
+		return w.r, nil
 	case <-ctx.Done():
 		g.mu.Lock()
 		defer g.mu.Unlock()
-		for i, w := range g.waiters {
-			if w == ch {
+		for i, o := range g.waiters {
+			if o == w {
 				g.waiters = append(g.waiters[:i], g.waiters[i+1:]...)
-				return false, ctx.Err()
+				return Reader{}, ctx.Err()
 			}
 		}
 		// Granted meanwhile: handed on.
+		g.advanceLocked()
 		g.inflight--
 		g.grantLocked()
-		return false, ctx.Err()
+		return Reader{}, ctx.Err()
 	}
 }
 
-// Release gives a reader back, counting the bytes it read.
-func (g *Gate) Release(bytes int64) {
+// Release gives r back, counting the bytes it read.
+func (g *Gate) Release(r Reader, bytes int64) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	g.advanceLocked()
 	g.inflight--
-	g.measureLocked(bytes)
+	g.measureLocked(r, bytes)
 	g.grantLocked()
 }
 
-// ReleaseUnmeasured gives a reader back whose read says nothing of the
-// mount's rate (a few layers of a key, whose read-ahead and request
-// sizes are not a whole file's): the window it was part of is dropped.
-func (g *Gate) ReleaseUnmeasured() {
+// ReleaseUnmeasured gives back r, whose read says nothing of the mount's
+// rate (a few layers of a key, whose read-ahead and request sizes are
+// not a whole file's): the window it was part of is dropped.
+func (g *Gate) ReleaseUnmeasured(r Reader) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	g.advanceLocked()
 	g.inflight--
 	if g.win.active {
-		g.win = window{active: len(g.waiters) > 0, start: g.cfg.Now()}
+		g.win = window{active: len(g.waiters) > 0}
 	}
 	g.grantLocked()
 }
 
-// measureLocked counts bytes into the window, and ends it once it holds
-// WindowBytes: the tuner learns its rate and may change the arm.
-func (g *Gate) measureLocked(bytes int64) {
-	if g.win.active {
+// measureLocked counts r's bytes and share into the window where r was
+// granted under the arm in force (a reader of an arm left behind
+// measured that arm), and ends the window once it holds WindowBytes:
+// the tuner learns its rate and may change the arm.
+func (g *Gate) measureLocked(r Reader, bytes int64) {
+	if !g.win.active {
+		return
+	}
+	if r.arm == g.arm {
 		g.win.bytes += max(bytes, 0)
-		if g.win.bytes >= g.cfg.WindowBytes {
-			if d := g.cfg.Now().Sub(g.win.start); d > 0 && !g.cfg.Fixed {
-				next := g.tune.observe(g.arm, float64(g.win.bytes)/d.Seconds())
-				if next != g.arm {
-					g.arm = next
-					g.changes++
-				}
+		g.win.shares += g.share - r.share
+	}
+	switch {
+	case g.win.bytes >= g.cfg.WindowBytes:
+		if g.win.shares > 0 && !g.cfg.Fixed {
+			next := g.tune.observe(g.arm, float64(g.win.bytes)/g.win.shares)
+			if next != g.arm {
+				g.arm = next
+				g.changes++
 			}
-			g.win = window{active: len(g.waiters) > 0, start: g.cfg.Now()}
-		} else if len(g.waiters) == 0 && g.inflight < g.arm.Readers-1 {
-			// Demand fell below the bound: the window measured the
-			// loads, not the mount.
-			g.win = window{}
 		}
+		g.win = window{active: len(g.waiters) > 0}
+	case len(g.waiters) == 0 && g.inflight < g.arm.Readers-1:
+		// Demand fell below the bound: the window measured the loads,
+		// not the mount.
+		g.win = window{}
 	}
 }
 
 // grantLocked wakes waiters while the bound allows.
 func (g *Gate) grantLocked() {
 	for len(g.waiters) > 0 && g.inflight < g.arm.Readers {
-		ch := g.waiters[0]
+		w := g.waiters[0]
 		g.waiters = g.waiters[1:]
-		g.inflight++
-		close(ch)
+		w.r = g.grantOneLocked()
+		close(w.ch)
 	}
 }
 

@@ -3,7 +3,9 @@ package iotune
 import (
 	"context"
 	"errors"
+	"math"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -143,7 +145,8 @@ func TestGateNeverLetsMoreReadersInThanItsLimit(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if _, err := g.Acquire(ctx); err != nil {
+			r, err := g.Acquire(ctx)
+			if err != nil {
 				t.Error(err)
 				return
 			}
@@ -155,7 +158,7 @@ func TestGateNeverLetsMoreReadersInThanItsLimit(t *testing.T) {
 			mu.Lock()
 			in--
 			mu.Unlock()
-			g.Release(1)
+			g.Release(r, 1)
 		}()
 	}
 	wg.Wait()
@@ -169,7 +172,8 @@ func TestGateNeverLetsMoreReadersInThanItsLimit(t *testing.T) {
 
 func TestGateAcquireEndsWithItsContextAndLosesNoReader(t *testing.T) {
 	g := New(Config{Max: 1, Fixed: true})
-	if _, err := g.Acquire(context.Background()); err != nil {
+	r, err := g.Acquire(context.Background())
+	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -183,7 +187,7 @@ func TestGateAcquireEndsWithItsContextAndLosesNoReader(t *testing.T) {
 	if err := <-done; !errors.Is(err, context.Canceled) {
 		t.Fatalf("Acquire after its context ended: %v", err)
 	}
-	g.Release(0)
+	g.Release(r, 0)
 	// The reader is free again: taken at once.
 	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel2()
@@ -204,33 +208,41 @@ func TestGateTunesItsLimitFromTheRateOfSaturatedWindows(t *testing.T) {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer cancel()
-	// load starts one load: it takes a reader (the test releases it on
-	// its behalf) or waits for one.
+	// load starts one load: it takes a reader (held, which the test
+	// releases on its behalf, oldest first) or waits for one.
+	held := make(chan Reader, 64)
 	load := func() {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			_, _ = g.Acquire(ctx)
+			if r, err := g.Acquire(ctx); err == nil {
+				held <- r
+			}
 		}()
 	}
 	for files := 0; files < 4000; files++ {
 		// Loads outnumber the readers: one always waits (the mount is
 		// saturated, as when a prefix's files all wait for it).
 		for waiting(g) == 0 {
-			before := g.Stats().Inflight
+			before := len(held)
 			load()
 			testwait.Until(t, "a load to take a reader or wait", 10*time.Second, func() bool {
-				return waiting(g) > 0 || g.Stats().Inflight != before
+				return waiting(g) > 0 || len(held) != before
 			})
 		}
 		// One reader ends its file: as long as one file takes at the
 		// rate of the readers in force.
 		clk.advance(time.Duration(float64(file) / virtio(g.Stats().Arm) * float64(time.Second)))
-		g.Release(file)
+		g.Release(<-held, file)
 	}
+	// The arm it settled on (the arm in force may be a neighbour being
+	// measured again).
 	s := g.Stats()
-	if s.Arm.Readers > 4 || s.Arm.Buffered || s.Changes == 0 {
-		t.Fatalf("after 4000 files at the virtio disk's rates the arm is %+v (%d changes); rates %v", s.Arm, s.Changes, s.Rates)
+	g.mu.Lock()
+	home := g.tune.home
+	g.mu.Unlock()
+	if home.Readers > 4 || home.Buffered || s.Changes == 0 {
+		t.Fatalf("after 4000 files at the virtio disk's rates it settled on %+v (in force %+v, %d changes); rates %v", home, s.Arm, s.Changes, s.Rates)
 	}
 }
 
@@ -244,10 +256,13 @@ func TestGateLearnsNothingFromUnmeasuredReads(t *testing.T) {
 	g := New(Config{Max: 2, Modes: true, WindowBytes: window, Now: clk.Now})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	held := make(chan Reader, 4) // the readers out, oldest first
 	for range 2 {
-		if _, err := g.Acquire(ctx); err != nil {
+		r, err := g.Acquire(ctx)
+		if err != nil {
 			t.Fatal(err)
 		}
+		held <- r
 	}
 	// step has a load wait for a reader (the mount saturated), then a
 	// reader end, measured with bytes or not, and the load take it
@@ -255,16 +270,17 @@ func TestGateLearnsNothingFromUnmeasuredReads(t *testing.T) {
 	step := func(measured bool, bytes int64) (granted chan struct{}) {
 		granted = make(chan struct{})
 		go func() {
-			if _, err := g.Acquire(ctx); err == nil {
+			if r, err := g.Acquire(ctx); err == nil {
+				held <- r
 				close(granted)
 			}
 		}()
 		testwait.Until(t, "the load to wait", 10*time.Second, func() bool { return waiting(g) == 1 })
 		clk.advance(time.Millisecond)
 		if measured {
-			g.Release(bytes)
+			g.Release(<-held, bytes)
 		} else {
-			g.ReleaseUnmeasured()
+			g.ReleaseUnmeasured(<-held)
 		}
 		return granted
 	}
@@ -280,6 +296,82 @@ func TestGateLearnsNothingFromUnmeasuredReads(t *testing.T) {
 	step(true, window/2) // not waited for: the measurement may lower the bound below the readers held
 	if s := g.Stats(); len(s.Rates) != 1 {
 		t.Fatalf("two measured halves of a window measured nothing: %+v", s)
+	}
+}
+
+// TestGateMeasuresTheRateOfReadersThatShareTheDisk: loads of 126 files
+// of 32 MiB, each load on an idle mount, on disks whose rate the readers
+// in flight share evenly. The files a load starts at once end together,
+// so a window timed by its length would end with 16 readers' bytes
+// uncounted: 16 readers measured half a flat disk's rate, and tuning left
+// them for 8. Every arm the Gate measures must measure its disk's rate.
+func TestGateMeasuresTheRateOfReadersThatShareTheDisk(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		d    disk
+	}{{"flat", flat}, {"readahead", readahead}} {
+		t.Run(tc.name, func(t *testing.T) {
+			const file, files, loads = 32 << 20, 126, 6
+			clk := &clock{now: time.Unix(0, 0)}
+			g := New(Config{Max: 16, Buffered: true, Modes: true, Now: clk.Now})
+			ctx, cancel := context.WithCancel(context.Background())
+			var wg sync.WaitGroup
+			defer wg.Wait()
+			defer cancel()
+			held := make(chan Reader, files)
+			type reading struct {
+				r    Reader
+				left float64 // bytes
+			}
+			var active []*reading
+			for range loads {
+				for range files {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						if r, err := g.Acquire(ctx); err == nil {
+							held <- r
+						}
+					}()
+				}
+				for out := files; out > 0; out-- {
+					testwait.Until(t, "every file to take a reader or wait", 10*time.Second, func() bool {
+						for {
+							select {
+							case r := <-held:
+								active = append(active, &reading{r: r, left: file})
+							default:
+								return len(active)+waiting(g) == out
+							}
+						}
+					})
+					// The readers share the disk's rate at their count
+					// and mode: the file nearest its end ends.
+					each := tc.d(Arm{len(active), g.Stats().Arm.Buffered}) / float64(len(active))
+					next := slices.IndexFunc(active, func(a *reading) bool {
+						return !slices.ContainsFunc(active, func(b *reading) bool { return b.left < a.left })
+					})
+					dt := time.Duration(math.Ceil(active[next].left / each * 1e9))
+					clk.advance(dt)
+					for _, a := range active {
+						a.left -= each * dt.Seconds()
+					}
+					r := active[next].r
+					active = slices.Delete(active, next, next+1)
+					g.Release(r, file)
+				}
+				clk.advance(time.Second) // idle until the next load
+			}
+			s := g.Stats()
+			if len(s.Rates) == 0 {
+				t.Fatalf("%d loads measured nothing: %+v", loads, s)
+			}
+			for a, got := range s.Rates {
+				if want := tc.d(a); math.Abs(got/want-1) > 0.03 {
+					t.Errorf("%+v measured %.3g bytes/s, the disk moves %.3g at it", a, got, want)
+				}
+			}
+		})
 	}
 }
 
