@@ -79,7 +79,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fsync                                                              string
 	)
 	fs.StringVar(&o.dir, "dir", "", "directory to benchmark (required); the benchmark works in a fresh subdirectory and removes it, and DIR where it made it")
-	fs.StringVar(&cfgPath, "config", "", "kvhost configuration file: its [engine], [gpu] and [policy] settings are used, and its first mount's io, reserve and preallocate")
+	fs.StringVar(&cfgPath, "config", "", "kvhost configuration file: its [engine], [gpu] and [policy] settings are used, and its first mount's io, load_readers, reserve and preallocate")
 	fs.IntVar(&o.geometry.Layers, "layers", 32, "model layers")
 	fs.IntVar(&o.geometry.KVHeads, "kv-heads", 8, "KV heads (on this rank)")
 	fs.IntVar(&o.geometry.HeadSize, "head-size", 128, "elements per head")

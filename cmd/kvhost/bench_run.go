@@ -225,7 +225,7 @@ func (r *benchRun) openEngine(ctx context.Context, be *benchEngine, nodeID strin
 		m.Capacity = r.o.total + r.o.total*3/10
 	}
 	if len(r.o.cfg.Mounts) > 0 {
-		m.Reserve = int64(r.o.cfg.Mounts[0].Reserve)
+		m.Reserve, m.LoadReaders = int64(r.o.cfg.Mounts[0].Reserve), r.o.cfg.Mounts[0].LoadReaders
 		// The configuration's I/O mode, except for the posix path, which
 		// is buffered by definition.
 		if mio := r.o.cfg.Mounts[0].IO; mio != "" && be.path != "posix" {
@@ -754,6 +754,9 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 			x.CeilingStaged, x.FractionStaged = againstStaged(x.GBps, cp.stagedRead)
 			if r.o.foreign {
 				x.Foreign, x.FilesDiscovered = true, ld.found/max(1, ld.rounds)
+			} else {
+				ms := eng.Stats().Mounts[0]
+				x.LoadReaders, x.LoadBuffered, x.LoadReaderChanges = ms.LoadReaders, ms.LoadBuffered, ms.LoadReadersChanged
 			}
 			if rf := ld.readFirst; rf.d > 0 {
 				x.ReadFirst = bench.Ceiling{Name: plainReadName(eng.Stats().Mounts[0].Direct, r.useGPU, r.o.dropCaches) + " of the load's own files", GBps: bench.GBps(rf.bytes, rf.d), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(rf.cpu, rf.bytes)}

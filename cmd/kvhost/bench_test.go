@@ -1084,6 +1084,36 @@ func TestBenchTakesTheConfiguredMountsIOMode(t *testing.T) {
 	}
 }
 
+// TestBenchReportsTheLoadReadersItsLoadsEndedWith: a disk mount's load
+// readers when the loads ended (here fixed by the configuration: 1,
+// buffered, never moved) are in the report and below the table, so that
+// a run shows what tuning settled on.
+func TestBenchReportsTheLoadReadersItsLoadsEndedWith(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "kvhost.toml")
+	body := fmt.Sprintf("[[mount]]\npath = %q\nio = \"buffered\"\nload_readers = 1\n", filepath.Join(dir, "data"))
+	if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rep, stdout := benchReport(t, filepath.Join(dir, "data"), "--memory", "host", "--config", cfg, "--jobs", "2", "--total", "4MiB")
+	if rep.FSType == "tmpfs" {
+		t.Skipf("%s is a memory file system, whose loads take no readers; the test needs a disk", dir)
+	}
+	loads := 0
+	for _, x := range rep.Runs {
+		if x.Direction != bench.Load {
+			continue
+		}
+		loads++
+		if x.LoadReaders != 1 || !x.LoadBuffered || x.LoadReaderChanges != 0 {
+			t.Errorf("load of %d jobs: readers %d buffered %v changes %d; want the configured 1, buffered, unchanged", x.Jobs, x.LoadReaders, x.LoadBuffered, x.LoadReaderChanges)
+		}
+	}
+	if want := "load readers after auto 256KiB sums=true, 2 jobs: 1 buffered (0 changes by tuning)"; loads == 0 || !strings.Contains(stdout, want) {
+		t.Errorf("%d loads; want the line %q below the table:\n%s", loads, want, stdout)
+	}
+}
+
 // The write ceiling writes into as many existing files as the round's
 // stores wrote into spares, spread evenly, and fresh files for the rest.
 func TestCeilingSparesFollowTheRoundsMix(t *testing.T) {

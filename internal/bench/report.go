@@ -205,6 +205,14 @@ type Run struct {
 	// make them, and the GPU path register them, before each timed phase
 	// and ceiling.
 	Preallocate int64 `json:"preallocate,omitempty"`
+	// LoadReaders and LoadBuffered are the disk mount's load readers when
+	// a load phase's last round ended (how many files its loads read at
+	// once, and whether through the page cache: package iotune), and
+	// LoadReaderChanges how many times tuning had moved them by then; 0
+	// on a memory mount, and for a load by a second engine (--foreign).
+	LoadReaders       int    `json:"load_readers,omitempty"`
+	LoadBuffered      bool   `json:"load_buffered,omitempty"`
+	LoadReaderChanges uint64 `json:"load_reader_changes,omitempty"`
 	// NoGap says a load phase began right after its round's store, with
 	// no idle moment for the GPU path to register the new files (the
 	// round's ceilings were measured after the load).
@@ -484,6 +492,16 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	if spread {
 		fmt.Fprintln(w, "by round: the least, median and greatest of the rounds' fractions, each of a round's GB/s over its own ceiling")
+	}
+	for _, x := range r.Runs {
+		if x.LoadReaders > 0 {
+			mode := "O_DIRECT"
+			if x.LoadBuffered {
+				mode = "buffered"
+			}
+			fmt.Fprintf(w, "load readers after %s %s sums=%v, %d jobs: %d %s (%d changes by tuning)\n",
+				x.Path, sizeString(x.KeyBytes), x.Checksums, x.Jobs, x.LoadReaders, mode, x.LoadReaderChanges)
+		}
 	}
 	if footnote {
 		fmt.Fprintln(w, "on*: checksums asked for, but the mover computes none (the CPU never sees the bytes)")
