@@ -15,9 +15,10 @@
 // time divided by the readers in flight with it), not over the window's
 // length: a file ends at once with its bytes, so a window counted by
 // length misses the bytes still in flight at its end, and more readers
-// hold more of them (at 16 readers of 32 MiB files, twice a window). Every measurement ages: a
-// neighbour of the best arm not measured for Stale windows is measured
-// again, so an arm learned under other conditions is never kept for good.
+// hold more of them (at 16 readers of 32 MiB files, twice a window).
+// Every measurement ages: a neighbour of the best arm not measured for
+// Stale windows is measured again, so an arm learned under other
+// conditions is never kept for good.
 package iotune
 
 import (
