@@ -375,6 +375,47 @@ func TestGateMeasuresTheRateOfReadersThatShareTheDisk(t *testing.T) {
 	}
 }
 
+// TestGateCountsOnlyTheReadersOfTheArmInForce: a reader granted under
+// an arm tuning has left measured that arm, not the one in force, so its
+// bytes stay out of the window; the arm in force is measured by its own
+// readers, each over its share of the time (here 4 s beside one other
+// reader: a share of 2 s).
+func TestGateCountsOnlyTheReadersOfTheArmInForce(t *testing.T) {
+	clk := &clock{now: time.Unix(0, 0)}
+	g := New(Config{Max: 4, WindowBytes: 7, Now: clk.Now})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	old, err := g.Acquire(ctx) // under 4 readers
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.mu.Lock()
+	g.arm = Arm{Readers: 2} // tuning moved on
+	g.mu.Unlock()
+	clk.advance(time.Second)
+	cur, err := g.Acquire(ctx) // under 2: the bound is reached
+	if err != nil {
+		t.Fatal(err)
+	}
+	waiter := make(chan Reader, 1)
+	go func() {
+		if r, err := g.Acquire(ctx); err == nil {
+			waiter <- r
+		}
+	}()
+	testwait.Until(t, "a load to wait (the mount saturated)", 10*time.Second, func() bool { return waiting(g) == 1 })
+	clk.advance(time.Second)
+	g.Release(old, 1000) // 2 s, but of the arm left behind: not counted
+	next := <-waiter
+	clk.advance(3 * time.Second)
+	g.Release(cur, 7) // its share: 1 s beside old, 3 s beside next: 0.5 + 1.5
+	s := g.Stats()
+	if len(s.Rates) != 1 || s.Rates[Arm{Readers: 2}] != 7/2.0 {
+		t.Fatalf("rates %v; want only 2 readers', 7 bytes over a share of 2 s", s.Rates)
+	}
+	g.Release(next, 0)
+}
+
 // waiting returns how many Acquires g has waiting.
 func waiting(g *Gate) int {
 	g.mu.Lock()
