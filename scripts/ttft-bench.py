@@ -437,17 +437,22 @@ def registered_files(metrics_addr):
 
 def load_readers(metrics_addr):
     """How the daemon's disk mounts read loads now, as tuned
-    (kvhost_mount_load_readers, kvhost_mount_load_buffered): a dict of
-    each disk mount to [readers, buffered] (a memory mount has no
-    readers: empty where every mount is memory); None where the daemon
-    cannot be asked."""
+    (kvhost_mount_load_readers, kvhost_mount_load_buffered,
+    kvhost_mount_load_reader_changes_total and
+    kvhost_mount_load_rate_bytes_per_second): a dict of each disk mount
+    to [readers, buffered, tuning's moves so far, the rate it last
+    measured for those readers in GB/s (0: not measured)] (a memory mount
+    has no readers: empty where every mount is memory); None where the
+    daemon cannot be asked."""
     if not metrics_addr:
         return None
+    fields = {"readers": 0, "buffered": 1, "reader_changes_total": 2, "rate_bytes_per_second": 3}
     out = {}
     for line in metrics_text(metrics_addr).splitlines():
-        m = re.match(r'^kvhost_mount_load_(readers|buffered)\{mount="([^"]*)"\} ([0-9.eE+-]+)$', line)
-        if m:
-            out.setdefault(m[2], [0, 0])[m[1] == "buffered"] = int(float(m[3]))
+        m = re.match(r'^kvhost_mount_load_([a-z_]+)\{mount="([^"]*)"\} ([0-9.eE+-]+)$', line)
+        if m and m[1] in fields:
+            v = float(m[3])
+            out.setdefault(m[2], [0, 0, 0, 0.0])[fields[m[1]]] = round(v / 1e9, 3) if m[1] == "rate_bytes_per_second" else int(v)
     return out
 
 
@@ -808,8 +813,9 @@ class Bench:
                                            "loaded_bytes_reps": nbytes[a.warmup:],
                                            "logits_equal_suffix_ceiling": as_suffix,
                                            "page_cache_dropped": dropped})
-            for mount, (n, buffered) in (extra.get("load_readers_after") or {}).items():
-                print(f"readers P {p} mode {mode} mount {mount} readers {n} buffered {bool(buffered)}", flush=True)
+            for mount, (n, buffered, changes, gbps) in (extra.get("load_readers_after") or {}).items():
+                print(f"readers P {p} mode {mode} mount {mount} readers {n} buffered {bool(buffered)} "
+                      f"changes {changes} measured {gbps} GB/s", flush=True)
 
         if "bound" in a.modes:
             self.bound(p, tokens, ref_kv, load_mode)

@@ -585,10 +585,13 @@ type MountStats struct {
 	// system, which has no such bound. LoadBuffered says that loads read
 	// through the page cache now (tuning may choose it on a local disk
 	// read with O_DIRECT by default). LoadReadersChanged counts the
-	// times tuning moved either.
+	// times tuning moved either. LoadRate is the rate tuning last
+	// measured for the readers now (bytes/s of whole files while loads
+	// waited for the mount); 0 until measured.
 	LoadReaders        int
 	LoadBuffered       bool
 	LoadReadersChanged uint64
+	LoadRate           float64
 	// StoresFailing says that the mount refuses stores: its most recent
 	// stores failed for a reason of the mount's own, and none succeeded
 	// since; nil while they succeed.

@@ -381,7 +381,7 @@ func (e *Engine) Stats() Stats {
 		if m.readers != nil {
 			g := m.readers.Stats()
 			ms := &s.Mounts[len(s.Mounts)-1]
-			ms.LoadReaders, ms.LoadBuffered, ms.LoadReadersChanged = g.Arm.Readers, g.Arm.Buffered, g.Changes
+			ms.LoadReaders, ms.LoadBuffered, ms.LoadReadersChanged, ms.LoadRate = g.Arm.Readers, g.Arm.Buffered, g.Changes, g.Rates[g.Arm]
 		}
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]

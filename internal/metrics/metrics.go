@@ -288,6 +288,8 @@ var (
 	dMountCap           = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
 	dMountReaders       = desc("kvhost_mount_load_readers", "Files loads read at once from a mount at most, now: mount.load_readers, or as tuned by measured throughput where it is 0; absent on a memory file system.", "mount")
 	dMountBuffered      = desc("kvhost_mount_load_buffered", "1 where a mount's loads read through the page cache now (mount.io, or as tuned on a local disk read with O_DIRECT by default), else 0; absent on a memory file system.", "mount")
+	dMountReaderMoves   = desc("kvhost_mount_load_reader_changes_total", "Times tuning moved a mount's load readers (their count, or whether they read through the page cache); absent on a memory file system.", "mount")
+	dMountLoadRate      = desc("kvhost_mount_load_rate_bytes_per_second", "The rate tuning last measured for a mount's load readers now: bytes of whole files over their readers' shares of the time, while loads waited for the mount; absent until measured, and on a memory file system.", "mount")
 	dMountUsed          = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
 	dMountFree          = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
 	dMountFSFree        = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs), as it last answered; absent where it never answered or its last statfs failed.", "mount")
@@ -462,6 +464,10 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 					buffered = 1
 				}
 				gauge(dMountBuffered, buffered, mt.Path)
+				counter(dMountReaderMoves, mt.LoadReaderChanges, mt.Path)
+				if mt.LoadRate > 0 {
+					gauge(dMountLoadRate, mt.LoadRate, mt.Path)
+				}
 			}
 			gauge(dMountFree, float64(max(mt.Capacity-mt.Used, 0)), mt.Path)
 			gauge(dMountEntries, float64(mt.Entries), mt.Path)

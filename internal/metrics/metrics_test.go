@@ -64,7 +64,7 @@ func fullSources(dir, refusing string) Sources {
 				Budgets: []BudgetStats{{Model: "vllm:m:*", Bytes: 64 << 20, Budget: 32 << 20, Floor: 16 << 20, Over: 9, Kept: 2}},
 				Tiering: TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3,
 					ObjectUploads: 6, ObjectUploadBytes: 6 << 20, ObjectUploadFailures: 1},
-				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4, LoadBuffered: true},
+				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4, LoadBuffered: true, LoadReaderChanges: 3, LoadRate: 1.5e9},
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: true}}}
 		},
 		Server: func() ServerStats {
@@ -254,6 +254,12 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	}
 	if got := metricstest.Value(fams, "kvhost_mount_load_buffered", mount); got != 1 {
 		t.Errorf("the mount's loads read buffered: %v, want 1", got)
+	}
+	if got := metricstest.Value(fams, "kvhost_mount_load_reader_changes_total", mount); got != 3 {
+		t.Errorf("tuning's moves of the mount's load readers: %v, want 3", got)
+	}
+	if got := metricstest.Value(fams, "kvhost_mount_load_rate_bytes_per_second", mount); got != 1.5e9 {
+		t.Errorf("the measured rate of the mount's load readers: %v, want 1.5e9", got)
 	}
 	if got := metricstest.Value(fams, "kvhost_mount_fs_available_bytes", mount); got != fsAvail {
 		t.Errorf("file-system free space for the mount: %v, want %v", got, fsAvail)

@@ -95,11 +95,14 @@ class TestTtftBenchScript(unittest.TestCase):
             self.assertEqual(readers, {})
         else:
             self.assertEqual(len(readers), 1, readers)
-            n, buffered = next(iter(readers.values()))
+            n, buffered, changes, gbps = next(iter(readers.values()))
             self.assertGreaterEqual(n, 1)
             self.assertIn(buffered, (0, 1))
+            self.assertGreaterEqual(changes, 0)
+            self.assertGreaterEqual(gbps, 0)
             # and a line of the output says it after the mode's line.
-            self.assertRegex(out.stdout, rf"readers P 64 mode whole mount \S+ readers {n} buffered {bool(buffered)}\n")
+            self.assertRegex(out.stdout, rf"readers P 64 mode whole mount \S+ readers {n} buffered {bool(buffered)} "
+                                         rf"changes {changes} measured {gbps} GB/s\n")
         # The whole load's rate is its bytes over its time beyond the
         # suffix's: none where the tiny model's noise put it under.
         if size["modes"]["whole"]["median_ms"] > size["modes"]["suffix"]["median_ms"]:
