@@ -139,7 +139,7 @@ func engineSnapshot(st engine.Stats) metrics.EngineStats {
 			Path: mt.Path, Capacity: mt.Capacity, Used: mt.Used, Entries: mt.Entries, SpareBytes: mt.SpareBytes,
 			IO: mt.IO, Backend: mt.Backend, Checksums: mt.Checksums, MovedIn: mt.MovedIn, MovedOut: mt.MovedOut,
 			StoresFailing: mt.StoresFailing != nil, LoadReaders: mt.LoadReaders, LoadBuffered: mt.LoadBuffered,
-			LoadReaderChanges: mt.LoadReadersChanged, LoadRate: mt.LoadRate,
+			LoadReadersChanged: mt.LoadReadersChanged, LoadRate: mt.LoadRate,
 		}
 	}
 	return out

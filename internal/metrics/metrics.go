@@ -464,7 +464,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 					buffered = 1
 				}
 				gauge(dMountBuffered, buffered, mt.Path)
-				counter(dMountReaderMoves, mt.LoadReaderChanges, mt.Path)
+				counter(dMountReaderMoves, mt.LoadReadersChanged, mt.Path)
 				if mt.LoadRate > 0 {
 					gauge(dMountLoadRate, mt.LoadRate, mt.Path)
 				}

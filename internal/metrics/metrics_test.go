@@ -64,7 +64,7 @@ func fullSources(dir, refusing string) Sources {
 				Budgets: []BudgetStats{{Model: "vllm:m:*", Bytes: 64 << 20, Budget: 32 << 20, Floor: 16 << 20, Over: 9, Kept: 2}},
 				Tiering: TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3,
 					ObjectUploads: 6, ObjectUploadBytes: 6 << 20, ObjectUploadFailures: 1},
-				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4, LoadBuffered: true, LoadReaderChanges: 3, LoadRate: 1.5e9},
+				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4, LoadBuffered: true, LoadReadersChanged: 3, LoadRate: 1.5e9},
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: true}}}
 		},
 		Server: func() ServerStats {

@@ -115,11 +115,11 @@ type MountStats struct {
 	LoadReaders int
 	// LoadBuffered: the mount's loads read through the page cache now.
 	LoadBuffered bool
-	// LoadReaderChanges counts the times tuning moved the mount's load
+	// LoadReadersChanged counts the times tuning moved the mount's load
 	// readers (their count or mode); LoadRate is the rate it last
 	// measured for the readers now, in bytes/s (0: not measured).
-	LoadReaderChanges uint64
-	LoadRate          float64
+	LoadReadersChanged uint64
+	LoadRate           float64
 	// StoresFailing: the mount refuses stores now (its most recent
 	// stores failed for a reason of its own).
 	StoresFailing bool
