@@ -756,7 +756,7 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				x.Foreign, x.FilesDiscovered = true, ld.found/max(1, ld.rounds)
 			} else {
 				ms := eng.Stats().Mounts[0]
-				x.LoadReaders, x.LoadBuffered, x.LoadReaderChanges = ms.LoadReaders, ms.LoadBuffered, ms.LoadReadersChanged
+				x.LoadReaders, x.LoadBuffered, x.LoadReadersChanged = ms.LoadReaders, ms.LoadBuffered, ms.LoadReadersChanged
 			}
 			if rf := ld.readFirst; rf.d > 0 {
 				x.ReadFirst = bench.Ceiling{Name: plainReadName(eng.Stats().Mounts[0].Direct, r.useGPU, r.o.dropCaches) + " of the load's own files", GBps: bench.GBps(rf.bytes, rf.d), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(rf.cpu, rf.bytes)}

@@ -1105,8 +1105,8 @@ func TestBenchReportsTheLoadReadersItsLoadsEndedWith(t *testing.T) {
 			continue
 		}
 		loads++
-		if x.LoadReaders != 1 || !x.LoadBuffered || x.LoadReaderChanges != 0 {
-			t.Errorf("load of %d jobs: readers %d buffered %v changes %d; want the configured 1, buffered, unchanged", x.Jobs, x.LoadReaders, x.LoadBuffered, x.LoadReaderChanges)
+		if x.LoadReaders != 1 || !x.LoadBuffered || x.LoadReadersChanged != 0 {
+			t.Errorf("load of %d jobs: readers %d buffered %v changes %d; want the configured 1, buffered, unchanged", x.Jobs, x.LoadReaders, x.LoadBuffered, x.LoadReadersChanged)
 		}
 	}
 	if want := "load readers after auto 256KiB sums=true, 2 jobs: 1 buffered (0 changes by tuning)"; loads == 0 || !strings.Contains(stdout, want) {

@@ -208,11 +208,11 @@ type Run struct {
 	// LoadReaders and LoadBuffered are the disk mount's load readers when
 	// a load phase's last round ended (how many files its loads read at
 	// once, and whether through the page cache: package iotune), and
-	// LoadReaderChanges how many times tuning had moved them by then; 0
+	// LoadReadersChanged how many times tuning had moved them by then; 0
 	// on a memory mount, and for a load by a second engine (--foreign).
-	LoadReaders       int    `json:"load_readers,omitempty"`
-	LoadBuffered      bool   `json:"load_buffered,omitempty"`
-	LoadReaderChanges uint64 `json:"load_reader_changes,omitempty"`
+	LoadReaders        int    `json:"load_readers,omitempty"`
+	LoadBuffered       bool   `json:"load_buffered,omitempty"`
+	LoadReadersChanged uint64 `json:"load_reader_changes,omitempty"`
 	// NoGap says a load phase began right after its round's store, with
 	// no idle moment for the GPU path to register the new files (the
 	// round's ceilings were measured after the load).
@@ -500,7 +500,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 				mode = "buffered"
 			}
 			fmt.Fprintf(w, "load readers after %s %s sums=%v, %d jobs: %d %s (%d changes by tuning)\n",
-				x.Path, sizeString(x.KeyBytes), x.Checksums, x.Jobs, x.LoadReaders, mode, x.LoadReaderChanges)
+				x.Path, sizeString(x.KeyBytes), x.Checksums, x.Jobs, x.LoadReaders, mode, x.LoadReadersChanged)
 		}
 	}
 	if footnote {

@@ -142,7 +142,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			} else {
 				defer g.ReleaseUnmeasured(rd)
 			}
-			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, rd.Buffered)
+			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, rd.Buffered())
 		}) {
 			g.ReleaseUnmeasured(rd) // no file slot: ctx ended
 		}

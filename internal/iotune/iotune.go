@@ -103,12 +103,13 @@ type window struct {
 // Reader is a reader a Gate granted, given back by Release or
 // ReleaseUnmeasured.
 type Reader struct {
-	// Buffered says whether the reader reads through the page cache, not
-	// with O_DIRECT (the arm in force when it was granted).
-	Buffered bool
-	arm      Arm     // the arm in force at the grant
-	share    float64 // the Gate's share clock at the grant
+	arm   Arm     // the arm in force at the grant
+	share float64 // the Gate's share clock at the grant
 }
+
+// Buffered says whether the reader reads through the page cache, not
+// with O_DIRECT (the arm in force when it was granted).
+func (r Reader) Buffered() bool { return r.arm.Buffered }
 
 // waiter is a load waiting for a reader: ch is closed once r is its.
 type waiter struct {
@@ -144,7 +145,7 @@ func (g *Gate) advanceLocked() {
 // grantOneLocked takes a reader of the arm in force.
 func (g *Gate) grantOneLocked() Reader {
 	g.inflight++
-	return Reader{Buffered: g.arm.Buffered, arm: g.arm, share: g.share}
+	return Reader{arm: g.arm, share: g.share}
 }
 
 // Acquire takes a reader, waiting while the bound is reached, or fails
