@@ -142,7 +142,13 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 			} else {
 				defer g.ReleaseUnmeasured(rd)
 			}
-			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, rd.Buffered())
+			// A layer range reads just its bytes, with O_DIRECT where
+			// the mount takes it, whatever the arm: through the page
+			// cache the kernel reads ahead into the next layers, and a
+			// layer-wise load's first layer waited for several layers'
+			// reads (RATIONALE.md, "Why do a local disk's loads start
+			// buffered, when its stores write with O_DIRECT?").
+			e.loadFile(ctx, j, c, keys, blocks, lr, en, idx, rd.Buffered() && (lr.all() || !e.mounts[en.Mount].direct))
 		}) {
 			g.ReleaseUnmeasured(rd) // no file slot: ctx ended
 		}
@@ -200,10 +206,10 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		return
 	}
 	defer f.Close()
-	if buffered && m.direct && lr.all() {
+	if buffered && m.direct {
 		// Read through the page cache for its read-ahead, not to fill
-		// it. A layer range leaves them: the read-ahead holds the next
-		// layers, which the key's next layer job reads.
+		// it (whole files only: a layer range reads such a mount with
+		// O_DIRECT).
 		defer dropPages(f)
 	}
 	corrupt := func(err error) {

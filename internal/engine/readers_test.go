@@ -45,28 +45,13 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 		})
 	}
 	t.Run("buffered loads of a direct mount leave no pages cached", func(t *testing.T) {
-		pol := newTestPolicy(1, abi.OrderLayerMajor)
-		dir := diskDir(t)
-		e := openEngine(t, Config{IOWorkers: 2, Mounts: []Mount{{Path: dir}}, NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
-		if !e.mounts[0].direct {
-			t.Fatalf("%s does not take O_DIRECT: nothing to compare", dir)
-		}
-		// The readers' arm, as tuning may choose it: buffered.
-		e.mounts[0].readers = iotune.New(iotune.Config{Max: 2, Fixed: true, Buffered: true})
+		e, dir := bufferedDirectMount(t)
 		const n = 4
 		storeAndLoadBack(t, e, n)
 		if !e.Stats().Mounts[0].LoadBuffered {
 			t.Fatal("the mount's stats do not say its loads read buffered")
 		}
-		files := dataFiles(t, dir)
-		if len(files) != n {
-			t.Fatalf("%d data files, want %d", len(files), n)
-		}
-		for _, f := range files {
-			if got := residentPages(t, f); got != 0 {
-				t.Errorf("%s: %d pages cached after a buffered load", f, got)
-			}
-		}
+		files := wantNoPagesCached(t, dir, n, "after a buffered load")
 		// The probe sees cached pages where a read leaves them.
 		if _, err := os.ReadFile(files[0]); err != nil {
 			t.Fatal(err)
@@ -75,6 +60,32 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 			t.Fatal("a plain read left no page cached: the check above proves nothing here")
 		}
 	})
+	t.Run("a direct mount's layer ranges read with O_DIRECT whatever the arm", func(t *testing.T) {
+		e, dir := bufferedDirectMount(t)
+		g := smallGeometry(true)
+		ns, err := e.Declare(context.Background(), g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		const n = 4
+		c := newTestCache(t, e, ns, g, 2*n*g.BlocksPerKey(), layoutPlaneFirst)
+		r := rand.New(rand.NewPCG(7, 2))
+		keys := testKeys("l", n)
+		from := blockLists(r, n, g.BlocksPerKey(), 0)
+		for i := range keys {
+			c.fill(r, from[i])
+		}
+		storeAndCheck(t, e, c, keys, from)
+		if wantNoPagesCached(t, dir, n, "after the store (the check below proves nothing)"); t.Failed() {
+			return
+		}
+		for first := range g.Layers {
+			res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: keys,
+				Blocks: blockLists(r, n, g.BlocksPerKey(), n*g.BlocksPerKey()), Layers: LayerRange{First: first, Count: 1}}))
+			wantOutcomes(t, "layer load", res, OutcomeLoaded)
+		}
+		wantNoPagesCached(t, dir, n, "after layer-range loads: they read through the page cache")
+	})
 	t.Run("a memory mount has none", func(t *testing.T) {
 		pol := newTestPolicy(1, abi.OrderLayerMajor)
 		e := openEngine(t, Config{Mounts: []Mount{{Path: shmDir(t)}}, NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
@@ -82,6 +93,20 @@ func TestLoadsFromADiskMountPassThroughItsReaders(t *testing.T) {
 			t.Fatal("a memory mount's loads are bounded by readers")
 		}
 	})
+}
+
+// bufferedDirectMount opens an engine of one disk mount that takes
+// O_DIRECT, its readers' arm set as tuning may choose it: two, buffered.
+func bufferedDirectMount(t *testing.T) (*Engine, string) {
+	t.Helper()
+	pol := newTestPolicy(1, abi.OrderLayerMajor)
+	dir := diskDir(t)
+	e := openEngine(t, Config{IOWorkers: 2, Mounts: []Mount{{Path: dir}}, NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
+	if !e.mounts[0].direct {
+		t.Fatalf("%s does not take O_DIRECT: nothing to compare", dir)
+	}
+	e.mounts[0].readers = iotune.New(iotune.Config{Max: 2, Fixed: true, Buffered: true})
+	return e, dir
 }
 
 // TestADiskMountsTunedLoadsStartBuffered: a local disk that takes
@@ -136,6 +161,23 @@ func storeAndLoadBack(t *testing.T, e *Engine, n int) {
 	}
 	storeAndCheck(t, e, c, keys, from)
 	loadAndCompare(t, e, c, keys, blockLists(r, n, g.BlocksPerKey(), n*g.BlocksPerKey()), want)
+}
+
+// wantNoPagesCached requires n data files under dir and reports each
+// with pages in the page cache (when says after what); it returns the
+// files.
+func wantNoPagesCached(t *testing.T, dir string, n int, when string) []string {
+	t.Helper()
+	files := dataFiles(t, dir)
+	if len(files) != n {
+		t.Fatalf("%d data files, want %d", len(files), n)
+	}
+	for _, f := range files {
+		if got := residentPages(t, f); got != 0 {
+			t.Errorf("%s: %d pages cached %s", f, got, when)
+		}
+	}
+	return files
 }
 
 // residentPages returns how many of path's pages are in the page cache
