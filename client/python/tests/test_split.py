@@ -240,7 +240,7 @@ class PipelineTest(unittest.TestCase):
         self.assertLess(one.ttft_s(total, 0, k), max(one.load_s(k), comp) * 1.06)
         self.assertGreater(four.ttft_s(total, 0, k) - one.ttft_s(total, 0, k), 2 * comp / 32)
 
-    def test_the_split_is_the_largest_boundary_within_min_gain_of_the_least_pipelined_ttft(self):
+    def test_the_split_is_the_largest_boundary_within_min_gain_of_the_least_and_at_most_recomputes(self):
         import random
         r = random.Random(92)
         for _ in range(4000):
@@ -257,7 +257,7 @@ class PipelineTest(unittest.TestCase):
 
             def ttft(c):
                 return m.ttft_s(total, computed, c, job)
-            limit = min(ttft(c) for c in cands) * (1 + m.min_gain)
+            limit = min(min(ttft(c) for c in cands) * (1 + m.min_gain), ttft(computed))
             self.assertIn(k, cands)
             self.assertLessEqual(ttft(k), limit * (1 + 1e-12), (gbps, chunk, total, computed, hit))
             self.assertFalse([c for c in cands if c > k and ttft(c) <= limit * (1 - 1e-12)],
@@ -272,8 +272,24 @@ class PipelineTest(unittest.TestCase):
                 m = self.pipelined(1.6, load_latency_s=lat)
                 k = m.split(8704, 0, 8192, 256)
                 cands = range(0, 8193, 256)
-                limit = min(m.ttft_s(8704, 0, c, 8192) for c in cands) * (1 + m.min_gain)
+                limit = min(min(m.ttft_s(8704, 0, c, 8192) for c in cands) * (1 + m.min_gain), m.ttft_s(8704, 0, 0, 8192))
                 self.assertLessEqual(m.ttft_s(8704, 0, k, 8192), limit * (1 + 1e-12), k)
+
+    def test_a_claim_is_never_priced_above_recomputing_where_the_least_is_near_it(self):
+        # An H200's cold ext4 (2.17 GB/s, 295 ms to the first layer, the
+        # model's prefill fitted there): the least lies at 16,640 tokens,
+        # 1.01 x recomputing; the boundaries within min_gain above it
+        # (17,664 chosen before) cost more than loading nothing.
+        m = CostModel(LLAMA_BYTES_PER_TOKEN, 2.165, load_latency_s=0.295, prefill_s_per_token=0.0,
+                      prefill_s_per_token2=2.51e-9, prefill_fixed_s=0.0055, layers=32)
+        total, hit = 32768, 32256
+        k = m.split(total, 0, hit, 256)
+        nothing = m.ttft_s(total, 0, 0, hit)
+        least = min(m.ttft_s(total, 0, c, hit) for c in range(256, hit + 1, 256))
+        self.assertGreater(least, nothing * 0.98, "the case wants a least near recomputing")
+        self.assertLessEqual(m.ttft_s(total, 0, k, hit), nothing * (1 + 1e-12), k)
+        self.assertTrue([c for c in range(256, hit + 1, 256) if nothing < m.ttft_s(total, 0, c, hit) <= least * 1.05],
+                        "min_gain alone would allow a claim above recomputing")
 
     def test_bad_pipeline_options_are_refused_by_name(self):
         for key, value in (("layers", 0), ("layers_per_load", 1.5), ("shape", "odd"), ("job_s", -1)):
@@ -342,7 +358,7 @@ class StagesSplitTest(unittest.TestCase):
         self.assertLess(self.claim(one), self.HIT)
         self.assertEqual(self.claim(two), self.HIT)
 
-    def test_the_split_under_stages_is_the_largest_boundary_within_min_gain_by_brute_force(self):
+    def test_the_split_under_stages_is_the_largest_boundary_within_min_gain_and_recomputes_by_brute_force(self):
         import random
         r = random.Random(193)
         for _ in range(800):
@@ -359,7 +375,7 @@ class StagesSplitTest(unittest.TestCase):
 
             def ttft(c):
                 return m.ttft_s(total, computed, c, job)
-            limit = min(ttft(c) for c in cands) * (1 + m.min_gain)
+            limit = min(min(ttft(c) for c in cands) * (1 + m.min_gain), ttft(computed))
             self.assertIn(k, cands)
             self.assertLessEqual(ttft(k), limit * (1 + 1e-12), (gbps, chunk, layers, total, computed, hit))
             self.assertFalse([c for c in cands if c > k and ttft(c) <= limit * (1 - 1e-12)],

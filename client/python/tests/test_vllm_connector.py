@@ -183,7 +183,7 @@ class SplitTest(unittest.TestCase):
                 self.assertGreaterEqual(k, computed)
                 self.assertLessEqual(k, max(hit, computed))
 
-    def test_split_is_the_largest_boundary_within_min_gain_of_the_least_ttft_by_brute_force(self):
+    def test_split_is_the_largest_boundary_within_min_gain_of_the_least_and_recomputes_by_brute_force(self):
         import random
         r = random.Random(84)
         for _ in range(3000):
@@ -195,7 +195,7 @@ class SplitTest(unittest.TestCase):
             k = m.split(total, computed, hit, chunk)
             first, last = (computed // chunk + 1) * chunk, min(hit, total) // chunk * chunk
             cands = [computed] + list(range(first, last + 1, chunk))
-            limit = min(m.ttft_s(total, computed, c) for c in cands) * (1 + m.min_gain)
+            limit = min(min(m.ttft_s(total, computed, c) for c in cands) * (1 + m.min_gain), m.ttft_s(total, computed, computed))
             self.assertIn(k, cands)
             self.assertLessEqual(m.ttft_s(total, computed, k), limit * (1 + 1e-12))
             self.assertFalse([c for c in cands if c > k and m.ttft_s(total, computed, c) <= limit * (1 - 1e-12)],

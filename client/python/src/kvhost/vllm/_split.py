@@ -433,7 +433,7 @@ class CostModel:
         """The tokens to have cached after the load, K: computed (load
         nothing) or a multiple of chunk in (computed, hit], the one of least
         modelled TTFT, or the largest whose TTFT is within min_gain of that
-        least. hit is the cached prefix's end; total the prompt's tokens.
+        least and no more than loading nothing's. hit is the cached prefix's end; total the prompt's tokens.
         A few bisection steps over local arithmetic: the scheduler calls it
         for every prompt with a hit."""
         if chunk <= 0:
@@ -472,8 +472,10 @@ class CostModel:
         inner = min(range(max(x, lo), max(y, lo) + 1), key=lambda m: (ttft(m), -m))
         best = min(ttft(inner), ttft(lo - 1))
         # Past the inner least the TTFT is the load's, growing with m: the
-        # largest boundary within min_gain of the least.
-        limit = best * (1.0 + self.min_gain)
+        # largest boundary within min_gain of the least, and never priced
+        # above loading nothing (a claim that saves the GPU work must not
+        # make the TTFT worse than recomputing).
+        limit = min(best * (1.0 + self.min_gain), ttft(lo - 1))
         if ttft(hi) <= limit:
             return hi * chunk
         if ttft(inner) > limit:
