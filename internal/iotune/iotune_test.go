@@ -299,6 +299,66 @@ func TestGateLearnsNothingFromUnmeasuredReads(t *testing.T) {
 	}
 }
 
+// TestGateGoesBackHomeWhenAMeasurementIsCutShort: while tuning measures
+// a neighbour of its home arm again, a window cut short (a layer range's
+// read, or the loads ending) puts home back in force, so that the loads
+// after it do not read at an arm kept only to be measured.
+func TestGateGoesBackHomeWhenAMeasurementIsCutShort(t *testing.T) {
+	home, neighbour := Arm{Readers: 4, Buffered: true}, Arm{Readers: 2, Buffered: true}
+	for _, tc := range []struct {
+		name string
+		end  func(g *Gate, held chan Reader)
+	}{
+		{"by a layer range's read", func(g *Gate, held chan Reader) { g.ReleaseUnmeasured(<-held) }},
+		{"by the loads ending", func(g *Gate, held chan Reader) {
+			for range 3 {
+				g.Release(<-held, 1)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := New(Config{Max: 4, Buffered: true, Modes: true, WindowBytes: 1 << 30})
+			g.mu.Lock()
+			g.tune.home, g.tune.rate[home], g.arm = home, 2e9, neighbour
+			g.mu.Unlock()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			held := make(chan Reader, 3)
+			for range 2 {
+				r, err := g.Acquire(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				held <- r
+			}
+			// A third load waits: the mount is saturated at the
+			// neighbour's two readers, and its window runs.
+			go func() {
+				if r, err := g.Acquire(ctx); err == nil {
+					held <- r
+				}
+			}()
+			testwait.Until(t, "the third load to wait", 10*time.Second, func() bool { return waiting(g) == 1 })
+			tc.end(g, held)
+			s := g.Stats()
+			if s.Arm != home || s.Changes != 1 {
+				t.Fatalf("after the measurement of %+v was cut short: %+v in force, %d changes; want home %+v, 1 change", neighbour, s.Arm, s.Changes, home)
+			}
+		})
+	}
+	t.Run("a fixed gate keeps its arm", func(t *testing.T) {
+		g := New(Config{Max: 2, Fixed: true})
+		r, err := g.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		g.ReleaseUnmeasured(r)
+		if s := g.Stats(); s.Arm != (Arm{Readers: 2}) || s.Changes != 0 {
+			t.Fatalf("a fixed gate moved: %+v", s)
+		}
+	})
+}
+
 // TestGateMeasuresTheRateOfReadersThatShareTheDisk: loads of 126 files
 // of 32 MiB, each load on an idle mount, on disks whose rate the readers
 // in flight share evenly. The files a load starts at once end together,
