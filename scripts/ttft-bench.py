@@ -438,21 +438,38 @@ def registered_files(metrics_addr):
 def load_readers(metrics_addr):
     """How the daemon's disk mounts read loads now, as tuned
     (kvhost_mount_load_readers, kvhost_mount_load_buffered,
-    kvhost_mount_load_reader_changes_total and
-    kvhost_mount_load_rate_bytes_per_second): a dict of each disk mount
-    to [readers, buffered, tuning's moves so far, the rate it last
-    measured for those readers in GB/s (0: not measured)] (a memory mount
-    has no readers: empty where every mount is memory); None where the
-    daemon cannot be asked."""
+    kvhost_mount_load_reader_changes_total,
+    kvhost_mount_load_rate_bytes_per_second and
+    kvhost_mount_load_arm_rate_bytes_per_second): a dict of each disk
+    mount to [readers, buffered, tuning's moves so far, the rate it last
+    measured for those readers in GB/s (0: not measured), every arm it
+    measured as [readers, buffered, GB/s, 1 where it settled on it]]
+    (a memory mount has no readers: empty where every mount is memory);
+    None where the daemon cannot be asked."""
     if not metrics_addr:
         return None
+    return load_readers_of(metrics_text(metrics_addr))
+
+
+def load_readers_of(text):
+    """load_readers of a metrics page's text."""
     fields = {"readers": 0, "buffered": 1, "reader_changes_total": 2, "rate_bytes_per_second": 3}
     out = {}
-    for line in metrics_text(metrics_addr).splitlines():
-        m = re.match(r'^kvhost_mount_load_([a-z_]+)\{mount="([^"]*)"\} ([0-9.eE+-]+)$', line)
-        if m and m[1] in fields:
-            v = float(m[3])
-            out.setdefault(m[2], [0, 0, 0, 0.0])[fields[m[1]]] = round(v / 1e9, 3) if m[1] == "rate_bytes_per_second" else int(v)
+    for line in text.splitlines():
+        m = re.match(r'^kvhost_mount_load_([a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$', line)
+        if not m:
+            continue
+        labels, v = dict(re.findall(r'(\w+)="([^"]*)"', m[2])), float(m[3])
+        if "mount" not in labels:
+            continue
+        entry = out.setdefault(labels["mount"], [0, 0, 0, 0.0, []])
+        if m[1] in fields and len(labels) == 1:
+            entry[fields[m[1]]] = round(v / 1e9, 3) if m[1] == "rate_bytes_per_second" else int(v)
+        elif m[1] == "arm_rate_bytes_per_second":
+            entry[4].append([int(labels["readers"]), int(labels["io"] == "buffered"), round(v / 1e9, 3),
+                             int(labels["home"] == "1")])
+    for entry in out.values():
+        entry[4].sort(key=lambda a: (a[1], a[0]))
     return out
 
 
@@ -813,9 +830,10 @@ class Bench:
                                            "loaded_bytes_reps": nbytes[a.warmup:],
                                            "logits_equal_suffix_ceiling": as_suffix,
                                            "page_cache_dropped": dropped})
-            for mount, (n, buffered, changes, gbps) in (extra.get("load_readers_after") or {}).items():
+            for mount, (n, buffered, changes, gbps, arms) in (extra.get("load_readers_after") or {}).items():
+                tried = " ".join(f"{r}{'b' if b else 'd'} {g}{'*' if h else ''}" for r, b, g, h in arms)
                 print(f"readers P {p} mode {mode} mount {mount} readers {n} buffered {bool(buffered)} "
-                      f"changes {changes} measured {gbps} GB/s", flush=True)
+                      f"changes {changes} measured {gbps} GB/s arms [{tried}]", flush=True)
 
         if "bound" in a.modes:
             self.bound(p, tokens, ref_kv, load_mode)

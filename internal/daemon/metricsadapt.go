@@ -141,6 +141,9 @@ func engineSnapshot(st engine.Stats) metrics.EngineStats {
 			StoresFailing: mt.StoresFailing != nil, LoadReaders: mt.LoadReaders, LoadBuffered: mt.LoadBuffered,
 			LoadReadersChanged: mt.LoadReadersChanged, LoadRate: mt.LoadRate,
 		}
+		for _, a := range mt.LoadArms {
+			out.Mounts[i].LoadArms = append(out.Mounts[i].LoadArms, metrics.LoadArm{Readers: a.Readers, Buffered: a.Buffered, Rate: a.Rate, Home: a.Home})
+		}
 	}
 	return out
 }

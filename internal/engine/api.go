@@ -541,6 +541,17 @@ func (r Result) Count(o Outcome) int {
 	return n
 }
 
+// LoadArm is one way of reading a disk mount's loads that tuning
+// measured: Readers files at once, through the page cache or not, at
+// Rate bytes/s (whole files while loads waited for the mount); Home
+// says tuning settled on it.
+type LoadArm struct {
+	Readers  int
+	Buffered bool
+	Rate     float64
+	Home     bool
+}
+
 // MountStats describes one mount.
 type MountStats struct {
 	// Path is the mount's root (Mount.Path made absolute).
@@ -592,6 +603,11 @@ type MountStats struct {
 	LoadBuffered       bool
 	LoadReadersChanged uint64
 	LoadRate           float64
+	// LoadArms are the arms tuning measured (each count and mode of the
+	// load readers, with its last rate), ordered by mode then count;
+	// Home marks the one it settled on, which the arm now may differ
+	// from while a neighbour is measured again. Empty until measured.
+	LoadArms []LoadArm
 	// StoresFailing says that the mount refuses stores: its most recent
 	// stores failed for a reason of the mount's own, and none succeeded
 	// since; nil while they succeed.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -382,6 +383,16 @@ func (e *Engine) Stats() Stats {
 			g := m.readers.Stats()
 			ms := &s.Mounts[len(s.Mounts)-1]
 			ms.LoadReaders, ms.LoadBuffered, ms.LoadReadersChanged, ms.LoadRate = g.Arm.Readers, g.Arm.Buffered, g.Changes, g.Rates[g.Arm]
+			for a, rate := range g.Rates {
+				ms.LoadArms = append(ms.LoadArms, LoadArm{Readers: a.Readers, Buffered: a.Buffered, Rate: rate, Home: a == g.Home})
+			}
+			order := func(a LoadArm) int { // O_DIRECT first, then by count
+				if a.Buffered {
+					return a.Readers + 1<<20
+				}
+				return a.Readers
+			}
+			slices.SortFunc(ms.LoadArms, func(x, y LoadArm) int { return cmp.Compare(order(x), order(y)) })
 		}
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]

@@ -271,6 +271,7 @@ type Stats struct {
 	Inflight int             // readers now
 	Changes  uint64          // times tuning moved the arm
 	Rates    map[Arm]float64 // per arm, its last measured rate (bytes/s)
+	Home     Arm             // the arm tuning settled on (zero: none measured)
 }
 
 // Stats returns the Gate's state.
@@ -278,7 +279,7 @@ func (g *Gate) Stats() Stats {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	s := Stats{Arm: g.arm, Max: g.cfg.Max, Inflight: g.inflight, Changes: g.changes,
-		Rates: maps.Clone(g.tune.rate)}
+		Rates: maps.Clone(g.tune.rate), Home: g.tune.home}
 	return s
 }
 

@@ -238,11 +238,11 @@ func TestGateTunesItsLimitFromTheRateOfSaturatedWindows(t *testing.T) {
 	// The arm it settled on (the arm in force may be a neighbour being
 	// measured again).
 	s := g.Stats()
-	g.mu.Lock()
-	home := g.tune.home
-	g.mu.Unlock()
-	if home.Readers > 4 || home.Buffered || s.Changes == 0 {
+	if home := s.Home; home.Readers > 4 || home.Buffered || s.Changes == 0 {
 		t.Fatalf("after 4000 files at the virtio disk's rates it settled on %+v (in force %+v, %d changes); rates %v", home, s.Arm, s.Changes, s.Rates)
+	}
+	if _, ok := s.Rates[s.Home]; !ok {
+		t.Fatalf("the home arm %+v has no rate in the stats: %v", s.Home, s.Rates)
 	}
 }
 

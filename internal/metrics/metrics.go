@@ -290,6 +290,7 @@ var (
 	dMountBuffered      = desc("kvhost_mount_load_buffered", "1 where a mount's loads read through the page cache now (mount.io, or as tuned on a local disk read with O_DIRECT by default), else 0; absent on a memory file system.", "mount")
 	dMountReaderMoves   = desc("kvhost_mount_load_reader_changes_total", "Times tuning moved a mount's load readers (their count, or whether they read through the page cache); absent on a memory file system.", "mount")
 	dMountLoadRate      = desc("kvhost_mount_load_rate_bytes_per_second", "The rate tuning last measured for a mount's load readers now: bytes of whole files over their readers' shares of the time, while loads waited for the mount; absent until measured, and on a memory file system.", "mount")
+	dMountArmRate       = desc("kvhost_mount_load_arm_rate_bytes_per_second", "The rate tuning last measured for each way of reading a mount's loads it tried: readers (files at once), io (buffered or direct), home (1: the one it settled on, which the readers now may differ from while it measures another again); absent until measured, and on a memory file system.", "mount", "readers", "io", "home")
 	dMountUsed          = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
 	dMountFree          = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
 	dMountFSFree        = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs), as it last answered; absent where it never answered or its last statfs failed.", "mount")
@@ -467,6 +468,16 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 				counter(dMountReaderMoves, mt.LoadReadersChanged, mt.Path)
 				if mt.LoadRate > 0 {
 					gauge(dMountLoadRate, mt.LoadRate, mt.Path)
+				}
+				for _, a := range mt.LoadArms {
+					io, home := "direct", "0"
+					if a.Buffered {
+						io = "buffered"
+					}
+					if a.Home {
+						home = "1"
+					}
+					gauge(dMountArmRate, a.Rate, mt.Path, strconv.Itoa(a.Readers), io, home)
 				}
 			}
 			gauge(dMountFree, float64(max(mt.Capacity-mt.Used, 0)), mt.Path)

@@ -64,7 +64,8 @@ func fullSources(dir, refusing string) Sources {
 				Budgets: []BudgetStats{{Model: "vllm:m:*", Bytes: 64 << 20, Budget: 32 << 20, Floor: 16 << 20, Over: 9, Kept: 2}},
 				Tiering: TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3,
 					ObjectUploads: 6, ObjectUploadBytes: 6 << 20, ObjectUploadFailures: 1},
-				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4, LoadBuffered: true, LoadReadersChanged: 3, LoadRate: 1.5e9},
+				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9, LoadReaders: 4, LoadBuffered: true, LoadReadersChanged: 3, LoadRate: 1.5e9,
+					LoadArms: []LoadArm{{Readers: 4, Buffered: true, Rate: 1.5e9}, {Readers: 8, Buffered: true, Rate: 1.6e9, Home: true}}},
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: true}}}
 		},
 		Server: func() ServerStats {
@@ -260,6 +261,15 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	}
 	if got := metricstest.Value(fams, "kvhost_mount_load_rate_bytes_per_second", mount); got != 1.5e9 {
 		t.Errorf("the measured rate of the mount's load readers: %v, want 1.5e9", got)
+	}
+	for _, a := range []struct {
+		readers, home string
+		rate          float64
+	}{{"4", "0", 1.5e9}, {"8", "1", 1.6e9}} {
+		labels := map[string]string{"mount": mount["mount"], "readers": a.readers, "io": "buffered", "home": a.home}
+		if got := metricstest.Value(fams, "kvhost_mount_load_arm_rate_bytes_per_second", labels); got != a.rate {
+			t.Errorf("the measured rate of %s buffered readers (home %s): %v, want %v", a.readers, a.home, got, a.rate)
+		}
 	}
 	if got := metricstest.Value(fams, "kvhost_mount_fs_available_bytes", mount); got != fsAvail {
 		t.Errorf("file-system free space for the mount: %v, want %v", got, fsAvail)

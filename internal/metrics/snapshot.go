@@ -120,9 +120,21 @@ type MountStats struct {
 	// measured for the readers now, in bytes/s (0: not measured).
 	LoadReadersChanged uint64
 	LoadRate           float64
+	// LoadArms are the arms tuning measured, each with its last rate.
+	LoadArms []LoadArm
 	// StoresFailing: the mount refuses stores now (its most recent
 	// stores failed for a reason of its own).
 	StoresFailing bool
+}
+
+// LoadArm is one way of reading a mount's loads that tuning measured:
+// Readers files at once, through the page cache or not, at Rate
+// bytes/s; Home: the one tuning settled on.
+type LoadArm struct {
+	Readers  int
+	Buffered bool
+	Rate     float64
+	Home     bool
 }
 
 // ServerStats is what the metrics read of the socket server: its

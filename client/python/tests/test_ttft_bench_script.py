@@ -95,14 +95,17 @@ class TestTtftBenchScript(unittest.TestCase):
             self.assertEqual(readers, {})
         else:
             self.assertEqual(len(readers), 1, readers)
-            n, buffered, changes, gbps = next(iter(readers.values()))
+            n, buffered, changes, gbps, arms = next(iter(readers.values()))
             self.assertGreaterEqual(n, 1)
             self.assertIn(buffered, (0, 1))
             self.assertGreaterEqual(changes, 0)
             self.assertGreaterEqual(gbps, 0)
+            # Every arm tuning measured, none on loads this small (under
+            # one window of 256 MiB).
+            self.assertEqual(arms, [])
             # and a line of the output says it after the mode's line.
             self.assertRegex(out.stdout, rf"readers P 64 mode whole mount \S+ readers {n} buffered {bool(buffered)} "
-                                         rf"changes {changes} measured {gbps} GB/s\n")
+                                         rf"changes {changes} measured {gbps} GB/s arms \[\]\n")
         # The whole load's rate is its bytes over its time beyond the
         # suffix's: none where the tiny model's noise put it under.
         if size["modes"]["whole"]["median_ms"] > size["modes"]["suffix"]["median_ms"]:
@@ -383,6 +386,24 @@ class TestSettle(unittest.TestCase):
         n = iter(range(10 ** 6))
         self.assertIsNone(self.mod.settle("addr", still_s=0.05, limit_s=0.2, read=lambda: (next(n), 0, 0)))
         self.assertIsNone(self.mod.settle(None))
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
+class TestLoadReaders(unittest.TestCase):
+    """The bench reads a disk mount's load readers, and every arm tuning
+    measured, from the daemon's metrics page."""
+
+    def test_each_mount_gets_its_readers_and_every_arm_it_measured_ordered(self):
+        text = ('kvhost_mount_load_readers{mount="/d"} 8\nkvhost_mount_load_buffered{mount="/d"} 1\n'
+                'kvhost_mount_load_reader_changes_total{mount="/d"} 5\n'
+                'kvhost_mount_load_rate_bytes_per_second{mount="/d"} 2.1e+09\n'
+                'kvhost_mount_load_arm_rate_bytes_per_second{home="0",io="buffered",mount="/d",readers="16"} 2.05e+09\n'
+                'kvhost_mount_load_arm_rate_bytes_per_second{home="1",io="buffered",mount="/d",readers="8"} 2.1e+09\n'
+                'kvhost_mount_load_arm_rate_bytes_per_second{home="0",io="direct",mount="/d",readers="8"} 1.5e+09\n'
+                'kvhost_mount_load_readers{mount="/e"} 16\nkvhost_mount_used_bytes{mount="/d"} 7\n')
+        got = load_bench().load_readers_of(text)
+        self.assertEqual(got, {"/d": [8, 1, 5, 2.1, [[8, 0, 1.5, 0], [8, 1, 2.1, 1], [16, 1, 2.05, 0]]],
+                               "/e": [16, 0, 0, 0.0, []]})
 
 
 @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
