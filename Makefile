@@ -163,8 +163,15 @@ fuzz: wasm
 # binary of a package that is not main has no version of wazero to name
 # its entries by). The directory is emptied first, so that a run does not
 # rest on an earlier one's files.
+#
+# -trimpath (GOFLAGS, for all `make test` compiles, vets and lints):
+# without it Go keys a package's compiled, vetted and staticchecked
+# results by the checkout's absolute path, so each fresh checkout or
+# worktree did all of them again for every package of the module
+# (`go vet ./...` 22 s against 1 s, staticcheck 33 s against 1 s).
 TEST_WASM_ROOT  := $(CURDIR)/.cache/test-wasm
 TEST_WASM_CACHE := $(TEST_WASM_ROOT)/kvhost/check-wasm-cache
+test: export GOFLAGS := $(strip $(GOFLAGS) -trimpath)
 test: tools build wasm lint
 	rm -rf $(TEST_WASM_ROOT)
 	@for p in $(PLUGINS); do \

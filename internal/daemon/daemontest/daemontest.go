@@ -5,7 +5,6 @@ package daemontest
 import (
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 
@@ -27,11 +26,14 @@ func BuildFakeCuFile(t testing.TB) string {
 	if len(cc) == 0 {
 		cc = []string{"cc"}
 	}
-	_, here, _, ok := runtime.Caller(0)
-	if !ok {
-		t.Fatal("daemontest: cannot locate its own source")
+	// The module's directory from go, not from runtime.Caller: under
+	// -trimpath (`make test`) a source file's recorded path is not one
+	// on disk.
+	dir, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}").Output()
+	if err != nil {
+		t.Fatalf("daemontest: go list -m: %v", err)
 	}
-	src := filepath.Join(filepath.Dir(here), "..", "..", "..", "gds", "testdata", "fakecufile.c")
+	src := filepath.Join(strings.TrimSpace(string(dir)), "gds", "testdata", "fakecufile.c")
 	lib := filepath.Join(t.TempDir(), "libcufile.so.0")
 	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", lib, src, "-lpthread")
 	if out, err := exec.Command(cc[0], args...).CombinedOutput(); err != nil {
