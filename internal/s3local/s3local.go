@@ -124,7 +124,22 @@ func New(cfg Config) (*Server, error) {
 	if s.used, err = s.recover(); err != nil {
 		return nil, err
 	}
+	warmXML()
 	return s, nil
+}
+
+// warmXML has encoding/xml learn every type the server marshals or
+// unmarshals before any request does: its type cache is a sync.Map
+// filled on first use, and two handlers marshalling one type for the
+// first time at once were reported as a data race on the type's entry
+// (Go 1.26, two concurrent CompleteMultipartUpload replies), as
+// concurrent first use of a sync.Map has misbehaved before (Go issue
+// 81189).
+func warmXML() {
+	for _, v := range []any{listResult{}, deleteResult{}, initiateResult{}, completeResult{}, errorXML{},
+		deleteRequest{}, completeRequest{}} {
+		_, _ = xml.Marshal(v) // the type's entry is what is wanted, not the bytes
+	}
 }
 
 // recover finishes what a server stopped mid-write left under the
