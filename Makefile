@@ -169,6 +169,10 @@ fuzz: wasm
 # results by the checkout's absolute path, so each fresh checkout or
 # worktree did all of them again for every package of the module
 # (`go vet ./...` 22 s against 1 s, staticcheck 33 s against 1 s).
+#
+# test-cluster-bounded and test-objects run side by side: each starts a
+# Ceph cluster of its own on a fresh directory and free ports (the
+# scripts pick them under one lock, so that two may run at once).
 TEST_WASM_ROOT  := $(CURDIR)/.cache/test-wasm
 TEST_WASM_CACHE := $(TEST_WASM_ROOT)/kvhost/check-wasm-cache
 test: export GOFLAGS := $(strip $(GOFLAGS) -trimpath)
@@ -179,8 +183,7 @@ test: tools build wasm lint
 	done
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) $(GO) test -count=1 -run '^TestBuiltinsPass$$' ./host/policy/conformance
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-race test-python test-norace
-	$(MAKE) --no-print-directory test-cluster-bounded
-	$(MAKE) --no-print-directory test-objects
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-cluster-bounded test-objects
 	$(MAKE) --no-print-directory fuzz
 
 # The race suite, as `make test` runs it (after compiling the plugins
