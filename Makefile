@@ -182,7 +182,7 @@ test: tools build wasm lint
 		XDG_CACHE_HOME=$(TEST_WASM_ROOT) bin/kvhost config show --policy $$p >/dev/null || exit 1; \
 	done
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) $(GO) test -count=1 -run '^TestBuiltinsPass$$' ./host/policy/conformance
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-race test-python test-norace
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-race test-python-scripts test-python-units test-norace
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-cluster-bounded test-objects
 	$(MAKE) --no-print-directory fuzz
 
@@ -329,9 +329,20 @@ python-ext:
 # when installable, CPU torch; they build and start a real daemon.
 # KVHOST_EXPECT_NATIVE: the C probe's tests fail, rather than skip, where
 # python-ext did not build it.
-.PHONY: test-python
-test-python: python-ext
-	cd client/python && KVHOST_EXPECT_NATIVE=1 PYTHONPATH=src /usr/bin/python3 -m unittest discover -s tests -v
+#
+# Two processes side by side, as `make test` runs them beside the race
+# suite: the script tests (tests/test_*_script.py, each running a script
+# that imports torch and starts a daemon) and the rest.
+PY_TESTS        := $(sort $(basename $(notdir $(wildcard client/python/tests/test_*.py))))
+PY_SCRIPT_TESTS := $(filter %_script,$(PY_TESTS))
+PY_UNIT_TESTS   := $(filter-out %_script,$(PY_TESTS))
+PY_UNITTEST     := KVHOST_EXPECT_NATIVE=1 PYTHONPATH=src:tests /usr/bin/python3 -m unittest -v
+.PHONY: test-python test-python-scripts test-python-units
+test-python: test-python-scripts test-python-units
+test-python-scripts: python-ext
+	cd client/python && $(PY_UNITTEST) $(PY_SCRIPT_TESTS)
+test-python-units: python-ext
+	cd client/python && $(PY_UNITTEST) $(PY_UNIT_TESTS)
 
 # The vLLM integration tests (client/python/tests/test_vllm*.py) against
 # vLLM's own offloading and connector code (MultiConnector,
