@@ -245,18 +245,23 @@ func Open(ctx context.Context, module []byte, name string, idx Index, cfg Config
 		}
 		loaded <- loadResult{b: b, err: err}
 	}()
-	timer := time.NewTimer(cfg.LoadTimeout)
-	defer timer.Stop()
-	select {
-	case res := <-loaded:
-		if res.err != nil {
-			return nil, res.err
+	// LoadTimeout 0 serves Interim at once: not a zero timer raced
+	// against a module that fails (or loads) fast, which answered either
+	// way.
+	if cfg.LoadTimeout > 0 {
+		timer := time.NewTimer(cfg.LoadTimeout)
+		defer timer.Stop()
+		select {
+		case res := <-loaded:
+			if res.err != nil {
+				return nil, res.err
+			}
+			return startWasm(ctx, name, idx, cfg, res.b)
+		case <-ctx.Done():
+			go closeLoaded(ctx, loaded)
+			return nil, ctx.Err()
+		case <-timer.C:
 		}
-		return startWasm(ctx, name, idx, cfg, res.b)
-	case <-ctx.Done():
-		go closeLoaded(ctx, loaded)
-		return nil, ctx.Err()
-	case <-timer.C:
 	}
 	interim := cfg.InterimName
 	if interim == "" {
