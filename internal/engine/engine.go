@@ -386,13 +386,15 @@ func (e *Engine) Stats() Stats {
 			for a, rate := range g.Rates {
 				ms.LoadArms = append(ms.LoadArms, LoadArm{Readers: a.Readers, Buffered: a.Buffered, Rate: rate, Home: a == g.Home})
 			}
-			order := func(a LoadArm) int { // O_DIRECT first, then by count
-				if a.Buffered {
-					return a.Readers + 1<<20
+			slices.SortFunc(ms.LoadArms, func(x, y LoadArm) int { // O_DIRECT first, then by count
+				if x.Buffered != y.Buffered {
+					if y.Buffered {
+						return -1
+					}
+					return 1
 				}
-				return a.Readers
-			}
-			slices.SortFunc(ms.LoadArms, func(x, y LoadArm) int { return cmp.Compare(order(x), order(y)) })
+				return cmp.Compare(x.Readers, y.Readers)
+			})
 		}
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]
