@@ -435,6 +435,15 @@ def registered_files(metrics_addr):
     return int(settle_reading(metrics_text(metrics_addr), ("kvhost_gpu_registered_files",))[0])
 
 
+def files_verified_ahead(metrics_addr):
+    """How many files found at start the daemon verified in the background
+    before their first load so far (None where it cannot be asked): after
+    a restart, those whose first loads move without summing them."""
+    if not metrics_addr:
+        return None
+    return int(settle_reading(metrics_text(metrics_addr), ("kvhost_files_verified_ahead_total",))[0])
+
+
 def load_readers(metrics_addr):
     """How the daemon's disk mounts read loads now, as tuned
     (kvhost_mount_load_readers, kvhost_mount_load_buffered,
@@ -782,6 +791,11 @@ class Bench:
             if self.registrations:
                 self.report["registrations"] = self.registrations.stop()
                 self.registrations = None
+                self.report["files_verified_ahead"] = files_verified_ahead(self.metrics)
+                regs = self.report["registrations"]
+                print(f"detail: before the first load mode: {regs[-1][1] if regs else 0} files registered "
+                      f"(the last at {regs[-1][0] if regs else 0} s), {self.report['files_verified_ahead']} verified "
+                      f"ahead", flush=True)
             reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
             first_rep = None
             registered = registered_files(self.metrics) if mode in ("whole", "layerwise", "layerjobs", "split") else None

@@ -114,7 +114,7 @@ func (o jobObserver) ObserveJob(ev engine.JobEvent) {
 func engineSnapshot(st engine.Stats) metrics.EngineStats {
 	out := metrics.EngineStats{
 		Entries: st.Entries, Keys: st.Keys, HeldFound: st.HeldFound,
-		Stores: st.Stores, Loads: st.Loads, LayerLoadsByKey: st.LayerLoadsByKey, LoadKeysCheckedBefore: st.LoadKeysCheckedBefore, Hits: st.Hits, Misses: st.Misses,
+		Stores: st.Stores, Loads: st.Loads, LayerLoadsByKey: st.LayerLoadsByKey, LoadKeysCheckedBefore: st.LoadKeysCheckedBefore, FilesVerifiedAhead: st.FilesVerifiedAhead, Hits: st.Hits, Misses: st.Misses,
 		Evictions: st.Evictions, Reused: st.Reused, SparesMade: st.SparesMade,
 		Corrupt: st.Corrupt, Vanished: st.Vanished, RemoveFailures: st.RemoveFailures,
 		BytesWritten: st.BytesWritten, BytesRead: st.BytesRead,

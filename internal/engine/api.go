@@ -672,6 +672,11 @@ type Stats struct {
 	// moved without summing them again: layers this engine wrote or
 	// verified, the file unchanged since (Mount.ChecksumEveryLoad).
 	LoadKeysCheckedBefore uint64
+	// FilesVerifiedAhead counts the files found at start on a memory
+	// mount that the engine verified in the background before their
+	// first load, so that their loads take them as verified
+	// (Engine.WaitVerifiedAhead).
+	FilesVerifiedAhead uint64
 	// PinnedFilesOpen is the files held open now for client pins, where
 	// another engine sharing the directory may remove them (a cluster
 	// mount's other nodes' files; every file of a shared network file

@@ -7,6 +7,8 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"os"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvhost/kvhost/fsys"
@@ -140,8 +142,13 @@ func TestAFileFoundAtOpenIsVerifiedOncePerLayerRange(t *testing.T) {
 	e.Close(context.Background())
 
 	// A new engine on the directory (a restart) trusts nothing it did not
-	// verify itself.
+	// verify itself: here not even its verification ahead of the loads,
+	// since every file's ctime moved after it.
 	e2 := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
+	if err := e2.WaitVerifiedAhead(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	touchFiles(t, e2)
 	_, c2 := declareSmall(t, e2, 64)
 	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}
 	for _, step := range []struct {
@@ -157,6 +164,90 @@ func TestAFileFoundAtOpenIsVerifiedOncePerLayerRange(t *testing.T) {
 		if got := checkedLoad(t, e2, c2, keys, into, step.lr, want); got != step.want {
 			t.Errorf("load of layers %v took %d keys as verified before, want %d", step.lr, got, step.want)
 		}
+	}
+}
+
+// touchFiles moves the ctime of every file e indexed (chmod: their
+// bytes stay what they were).
+func touchFiles(t *testing.T, e *Engine) {
+	t.Helper()
+	for _, p := range indexedPaths(e) {
+		if err := os.Chmod(p, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// indexedPaths is the paths of the files e indexed.
+func indexedPaths(e *Engine) []string {
+	var paths []string
+	e.ix.Files().Each(func(en *entry) { paths = append(paths, en.Path) })
+	return paths
+}
+
+func TestFilesFoundAtOpenAreVerifiedAheadOfTheirLoads(t *testing.T) {
+	dir := tmpfsDir(t)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
+	ns, c := declareSmall(t, e, 64)
+	keys, _, want := storeSome(t, e, c, 4)
+	bad := e.find(e.tables.get(ns), keys[3])
+	if bad == nil {
+		t.Fatal("the stored file is not indexed")
+	}
+	badPath, badSize := bad.Path, bad.Size
+	e.Close(context.Background())
+	// One file's payload byte flipped while no engine ran.
+	flipByte(t, badPath, badSize-100)
+
+	e2 := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
+	if err := e2.WaitVerifiedAhead(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	files := len(indexedPaths(e2))
+	if files < 2 {
+		t.Fatalf("%d files indexed, want the keys in at least 2 (one of them corrupt)", files)
+	}
+	if got := e2.Stats().FilesVerifiedAhead; got != uint64(files-1) {
+		t.Errorf("%d files verified ahead, want %d: every file found but the corrupt one", got, files-1)
+	}
+	ns2, c2 := declareSmall(t, e2, 64)
+	// The keys of the other files: taken as verified at their first load.
+	var good, goodWant [][]byte
+	var into [][]int
+	for i, k := range keys {
+		if en := e2.find(e2.tables.get(ns2), k); en != nil && en.Path != badPath {
+			good, goodWant = append(good, k), append(goodWant, want[i])
+			into = append(into, []int{40 + 4*i, 41 + 4*i, 42 + 4*i, 43 + 4*i})
+		}
+	}
+	if len(good) == 0 {
+		t.Fatal("every key is in the corrupt file")
+	}
+	if got := checkedLoad(t, e2, c2, good, into, LayerRange{}, goodWant); got != uint64(len(good)) {
+		t.Errorf("the restarted engine's first load took %d keys as verified before, want %d", got, len(good))
+	}
+	before := e2.Stats().LoadKeysCheckedBefore
+	res := wait(t)(e2.Load(context.Background(), LoadRequest{Cache: c2.id, Keys: [][]byte{keys[3]}, Blocks: [][]int{{56, 57, 58, 59}}}))
+	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrCorrupt) {
+		t.Errorf("the load of the corrupt file's key: %v %v, want it failed as corrupt", k.Outcome, k.Err)
+	}
+	if got := e2.Stats().LoadKeysCheckedBefore - before; got != 0 {
+		t.Errorf("the load took %d keys of the corrupt file as verified before, want 0", got)
+	}
+}
+
+func TestTheVerifierWaitsWhileFilesAreInFlightAndStopsWhileItWaits(t *testing.T) {
+	var busy atomic.Bool
+	v := &verifier{busy: busy.Load, stop: make(chan struct{})}
+	if !v.quiet() {
+		t.Fatal("quiet reported a stop with no file in flight and no stop")
+	}
+	busy.Store(true)
+	got := make(chan bool)
+	go func() { got <- v.quiet() }()
+	close(v.stop)
+	if <-got {
+		t.Error("quiet reported quiet while a file was in flight")
 	}
 }
 

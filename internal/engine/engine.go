@@ -92,6 +92,7 @@ type Engine struct {
 	tier       *tiering     // moves between mounts, ticks and mount updates (demote.go)
 	maker      *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
 	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
+	verify     *verifier    // files found at start verified ahead of their loads (verifyahead.go); nil where none
 	clusterRun clusterLoops // loops of the cluster mounts (cluster.go)
 
 	rm       *remover   // dropping entries, removing files (removal.go)
@@ -349,6 +350,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.tier.start(ctx, e.pol.hitRec, e.maker)
 	e.warm = startWarmer(e.mounts, e.ix, e.hd.openRegular)
 	e.shared.warm = e.warm
+	e.verify = startVerifier(e.mounts, e.ix, e.hd, e.mv.slots.busy, e.cfg.Logger)
 	e.clusterRun.Start(ctx, clusters(e.mounts))
 	ok = true
 	st := e.Stats()
@@ -362,7 +364,7 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.rm.vanished.Load(), RemoveFailures: e.rm.failures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
-		LayerLoadsByKey: e.st.layersByKey.Load(), LoadKeysCheckedBefore: e.st.checkedBefore.Load(),
+		LayerLoadsByKey: e.st.layersByKey.Load(), LoadKeysCheckedBefore: e.st.checkedBefore.Load(), FilesVerifiedAhead: e.verify.count(),
 		PinnedFilesOpen: e.pinTab.open.Load(), PinnedFilesUnopened: e.pinTab.unopened.Load(),
 		StoreFailures: e.st.fails.stats(0), LoadFailures: e.st.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
@@ -465,6 +467,7 @@ func (e *Engine) shutdown() {
 	e.tier.stop()
 	e.maker.close()
 	e.warm.close()
+	e.verify.close()
 	e.clusterRun.Close(clusters(e.mounts))
 	e.own.dropSpares(e.mounts)
 	e.own.closeOwners() // after the spares: none is left for another engine to find live

@@ -26,16 +26,19 @@ type EngineStats struct {
 	// LoadKeysCheckedBefore: keys loaded from a memory mount without
 	// summing them again (verified before, the file unchanged since).
 	LoadKeysCheckedBefore uint64
-	Hits                  uint64 // keys found by lookups and loads
-	Misses                uint64 // keys not found by lookups and loads
-	Evictions             uint64 // files evicted to make room
-	Reused                uint64 // stores that wrote into a spare file
-	SparesMade            uint64 // spare files made ahead of stores
-	Corrupt               uint64 // files dropped because they failed verification
-	Vanished              uint64 // files found missing or replaced behind the engine's back
-	RemoveFailures        uint64 // files whose removal failed, each once
-	BytesWritten          uint64 // payload bytes written to files
-	BytesRead             uint64 // payload bytes read from files
+	// FilesVerifiedAhead: files found at start on a memory mount verified
+	// in the background before their first load.
+	FilesVerifiedAhead uint64
+	Hits               uint64 // keys found by lookups and loads
+	Misses             uint64 // keys not found by lookups and loads
+	Evictions          uint64 // files evicted to make room
+	Reused             uint64 // stores that wrote into a spare file
+	SparesMade         uint64 // spare files made ahead of stores
+	Corrupt            uint64 // files dropped because they failed verification
+	Vanished           uint64 // files found missing or replaced behind the engine's back
+	RemoveFailures     uint64 // files whose removal failed, each once
+	BytesWritten       uint64 // payload bytes written to files
+	BytesRead          uint64 // payload bytes read from files
 
 	PinnedFilesOpen     int64  // files held open for client pins
 	PinnedFilesUnopened uint64 // pins that found the bound of open files reached

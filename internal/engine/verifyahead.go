@@ -1,0 +1,205 @@
+package engine
+
+import (
+	"cmp"
+	"context"
+	"log/slog"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/engine/index"
+)
+
+// Files found at start verified ahead of their loads (docs/engine.md,
+// "The load path"; RATIONALE: "Why does a load from a memory mount not sum
+// again what was verified?").
+//
+// A load from a memory mount moves without summing them the layers this
+// engine wrote or verified while the file's ctime is unchanged
+// (checked.go). A restarted engine wrote none of the files it finds, so
+// each one's first loads sum every byte they move, on the CPU, beside the
+// copies. The verifier, a goroutine started at Open where a memory mount
+// found files whose loads it would sum once, reads those files, the most
+// recently used first, sums each key privately (recheck) and, where every
+// key matches its header and the file's ctime after the reads is what it
+// was at the open, records the file as verified at that ctime: its later
+// loads take it as they take a file this engine wrote. It verifies one
+// file at a time, and only while no file is in flight, so that it takes
+// no CPU or memory bandwidth from a burst of jobs (whose loads verify
+// what they read themselves). A file that fails its sums, or changed
+// meanwhile, is left as it was: its first load verifies it and judges it
+// (ErrCorrupt), as before.
+
+// verifyQuiet is how long the verifier waits before looking again while
+// files are in flight.
+const verifyQuiet = 5 * time.Millisecond
+
+// verifier is the goroutine that verifies the files found at start. Its
+// methods do nothing on a nil verifier: where no mount has such files.
+type verifier struct {
+	hd    *headerReader
+	ix    *index.Index
+	busy  func() bool // whether a file is in flight (fileSlots.busy)
+	log   *slog.Logger
+	files []*entry // found at start, the most recently used first
+
+	verified atomic.Uint64 // files recorded as verified (Stats.FilesVerifiedAhead)
+	stop     chan struct{}
+	done     chan struct{} // closed once every file was tried, or at stop
+}
+
+// verifiesAhead reports whether m's loads would sum a found file's bytes
+// once and then take them as verified: the files the verifier reads.
+func (m *mount) verifiesAhead() bool {
+	return m.memory && m.raw == nil && m.checksums && !m.checkEvery
+}
+
+// startVerifier starts the verifier on the files ix holds on mounts that
+// verify ahead, the most recently used first; nil where there are none.
+func startVerifier(mounts []*mount, ix *index.Index, hd *headerReader, busy func() bool, log *slog.Logger) *verifier {
+	type found struct {
+		en   *entry
+		last int64
+	}
+	var start []found
+	ix.Files().Each(func(en *entry) {
+		if mounts[en.Mount].verifiesAhead() {
+			start = append(start, found{en, en.Last})
+		}
+	})
+	if len(start) == 0 {
+		return nil
+	}
+	slices.SortStableFunc(start, func(a, b found) int { return cmp.Compare(b.last, a.last) })
+	files := make([]*entry, len(start))
+	for i, f := range start {
+		files[i] = f.en
+	}
+	v := &verifier{hd: hd, ix: ix, busy: busy, log: log, files: files, stop: make(chan struct{}), done: make(chan struct{})}
+	go v.run()
+	return v
+}
+
+// run verifies the files in order, each once no file is in flight.
+func (v *verifier) run() {
+	defer close(v.done)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-v.stop:
+			cancel()
+		case <-v.done:
+		}
+	}()
+	start := time.Now()
+	var bytes int64
+	for i, en := range v.files {
+		if !v.quiet() {
+			return
+		}
+		if v.file(ctx, en) {
+			v.verified.Add(1)
+			bytes += en.Size
+		}
+		v.files[i] = nil // not held past its turn
+	}
+	v.log.Info("engine: files found at start verified ahead of their loads", "files", v.verified.Load(),
+		"of", len(v.files), "bytes", bytes, "took", time.Since(start).Round(time.Millisecond))
+}
+
+// quiet waits until no file is in flight; false once the verifier stops.
+func (v *verifier) quiet() bool {
+	for v.busy() {
+		select {
+		case <-v.stop:
+			return false
+		case <-time.After(verifyQuiet):
+		}
+	}
+	select {
+	case <-v.stop:
+		return false
+	default:
+		return true
+	}
+}
+
+// file verifies en's file and records it as verified; false where it was
+// not (gone, replaced, changed while read, a key that fails its sum, or
+// already verified at its present ctime).
+func (v *verifier) file(ctx context.Context, en *entry) bool {
+	if v.ix.Files().Gone(en) {
+		return false
+	}
+	m := v.hd.mounts[en.Mount]
+	f, h, err := v.hd.openSame(en, loadFlag(m))
+	if err != nil {
+		return false // its load finds out what is wrong
+	}
+	defer f.Close()
+	id, err := fileIdentity(f)
+	if err != nil || id.Ctime == 0 {
+		return false
+	}
+	keys := allKeys(h)
+	if c := en.Checked.Load(); c != nil && c.Ctime == id.Ctime && c.Of(len(h.Keys), int(h.Layers)) && c.Covers(keys, 0, int(h.Layers)) {
+		return false // a load verified it first
+	}
+	want := make([]bool, len(h.Keys))
+	for k := range want {
+		want[k] = true
+	}
+	sums, err := recheck(ctx, f, h, want)
+	if err != nil {
+		return false
+	}
+	for k, s := range sums {
+		if s != h.Keys[k].Sum {
+			v.log.Warn("engine: a file found at start fails its checksum; its first load verifies it", "path", en.Path, "key", k)
+			return false
+		}
+	}
+	if !unchangedSince(f, id) {
+		return false
+	}
+	markChecked(m, en, h, id.Ctime, keys, LayerRange{})
+	return true
+}
+
+// wait waits until the verifier tried every file, stopped, or ctx ended.
+func (v *verifier) wait(ctx context.Context) error {
+	if v == nil {
+		return nil
+	}
+	select {
+	case <-v.done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// count is the files verified so far (0 on a nil verifier).
+func (v *verifier) count() uint64 {
+	if v == nil {
+		return 0
+	}
+	return v.verified.Load()
+}
+
+// close stops the verifier and waits for the file it is reading.
+func (v *verifier) close() {
+	if v == nil {
+		return
+	}
+	close(v.stop)
+	<-v.done
+}
+
+// WaitVerifiedAhead waits until the files found at Open on memory mounts
+// whose loads sum what they have not verified were verified in the
+// background (as many as passed; Stats.FilesVerifiedAhead), the engine
+// closed, or ctx ended; at once where there were none.
+func (e *Engine) WaitVerifiedAhead(ctx context.Context) error { return e.verify.wait(ctx) }
