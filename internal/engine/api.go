@@ -459,6 +459,12 @@ type LayerRange struct {
 // all reports whether r is the zero value: every layer.
 func (r LayerRange) all() bool { return r.Count == 0 }
 
+// tail reports whether r is the last layers of a model of layers layers,
+// after the first: the last load of a layer-wise step (loadOrder).
+func (r LayerRange) tail(layers int) bool {
+	return r.Count > 0 && r.First > 0 && r.First+r.Count == layers
+}
+
 // of is r's layers of a file of layers layers, as [first, end).
 func (r LayerRange) of(layers int) (first, end int) {
 	if r.all() {

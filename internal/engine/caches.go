@@ -25,41 +25,61 @@ type cache struct {
 // slots in turns between them would finish every group at about the same
 // time, the first as late as the last. Loads into other caches (other
 // clients) still take slots as they come.
+//
+// The load of a step's last layers (a range that ends at the model's last
+// layer, after the first) waits until the previous load has ended
+// instead: its files would otherwise run beside that load's last ones,
+// which then ended with it (on the H200 their copies waited 2-4 ms
+// behind the new files'), and the layers of both were left to compute
+// after the loads rather than the last range's alone (RATIONALE: "Why 4
+// layers per load job, one at both ends, and one throughout from a
+// disk?").
 type loadOrder struct {
-	last atomic.Pointer[chan struct{}] // closed once the latest load has its slots
+	last atomic.Pointer[turnSignals] // the latest load's
+}
+
+// turnSignals is what one load tells the next of its cache.
+type turnSignals struct {
+	slots chan struct{} // closed once the load has a slot for each of its files
+	ended chan struct{} // closed once its files have all ended
 }
 
 // take gives a load its turn, behind the cache's previous load; take is
 // called in submission order (Engine.Load).
 func (o *loadOrder) take() loadTurn {
-	mine := make(chan struct{})
-	var prev chan struct{}
-	if p := o.last.Swap(&mine); p != nil {
-		prev = *p
-	}
-	return loadTurn{prev: prev, mine: mine}
+	mine := &turnSignals{slots: make(chan struct{}), ended: make(chan struct{})}
+	return loadTurn{prev: o.last.Swap(mine), mine: mine}
 }
 
 // loadTurn is one load's place in its cache's loadOrder.
 type loadTurn struct {
-	prev, mine chan struct{}
+	prev, mine *turnSignals // prev nil: the cache's first load
 }
 
-// wait returns once the previous load has its slots, or ctx is done (the
-// order is then given up for this load: it never blocks a later one).
-func (t loadTurn) wait(ctx context.Context) {
+// wait returns once the previous load has its slots (afterEnd: once its
+// files have all ended), or ctx is done (the order is then given up for
+// this load: it never blocks a later one).
+func (t loadTurn) wait(ctx context.Context, afterEnd bool) {
 	if t.prev == nil {
 		return
 	}
+	ch := t.prev.slots
+	if afterEnd {
+		ch = t.prev.ended
+	}
 	select {
-	case <-t.prev:
+	case <-ch:
 	case <-ctx.Done():
 	}
 }
 
 // done lets the next load take slots; runLoad calls it once, when each
 // of its files has a slot (or failed to get one).
-func (t loadTurn) done() { close(t.mine) }
+func (t loadTurn) done() { close(t.mine.slots) }
+
+// ended lets a next load of the step's last layers take slots; runLoad
+// calls it once, when its files have all ended.
+func (t loadTurn) ended() { close(t.mine.ended) }
 
 // RegisterCache registers the paged KV cache of one worker for namespace ns:
 // one tensor per layer. Every block of every layer must lie inside its

@@ -142,6 +142,9 @@ type counters struct {
 	// below a mount's high watermark and went to its eviction lock
 	// (reserveUsed). Tests wait for them instead of sleeping.
 	pathWaits, evictWaits atomic.Int64
+	// tailTurns counts the loads of a step's last layers that waited for
+	// the previous load's end (loadOrder): tests wait for it.
+	tailTurns atomic.Int64
 
 	// ended counts the jobs finished (Activity); scanned, the files a
 	// cluster adoption walk read.

@@ -576,3 +576,88 @@ func TestACachesLoadsTakeFileSlotsInTheOrderTheyCame(t *testing.T) {
 		t.Errorf("files read for layers %v, want %v: each load's files before the next load's", mv.layers, want)
 	}
 }
+
+// tailMover is a fakeMover whose reads record, in order, the layer each
+// plan loads as it starts ("s1") and ends ("e1"), and whose read number
+// hold of layer holdLayer waits until gate is closed.
+type tailMover struct {
+	fakeMover
+	layerBytes int64
+	holdLayer  int
+	hold       int // the read of holdLayer that waits (1: its first)
+	gate       chan struct{}
+	mu         sync.Mutex
+	seen       int // reads of holdLayer so far
+	events     []string
+}
+
+func (m *tailMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	layer := int(p.Extents[0].RegionOff / m.layerBytes)
+	m.mu.Lock()
+	m.events = append(m.events, fmt.Sprintf("s%d", layer))
+	wait := false
+	if layer == m.holdLayer {
+		m.seen++
+		wait = m.seen == m.hold
+	}
+	m.mu.Unlock()
+	if wait {
+		<-m.gate
+	}
+	n, err := m.fakeMover.ReadFile(ctx, f, p, sums)
+	m.mu.Lock()
+	m.events = append(m.events, fmt.Sprintf("e%d", layer))
+	m.mu.Unlock()
+	return n, err
+}
+
+// TestTheLoadOfAStepsLastLayersWaitsForTheLoadBeforeItToEnd: a layer-wise
+// step's loads of layers 1, 2 and 3 (the last) of four files, with two
+// I/O slots, the load of layer 2's last file held: layer 3's load takes
+// its turn only once every file of layer 2's has ended, while layer 2's
+// files took slots as soon as layer 1's had theirs.
+func TestTheLoadOfAStepsLastLayersWaitsForTheLoadBeforeItToEnd(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true) // 4 layers
+	const nb = 40
+	mv := &tailMover{layerBytes: 2 * nb * g.BlockBytes(), holdLayer: 2, hold: 4, gate: make(chan struct{})}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), IOWorkers: 2,
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cid, _ := registerFakeDevice(t, e, ns, g, 7, nb)
+	keys := testKeys("tail", 4)
+	src := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}
+	dst := [][]int{{20, 21, 22, 23}, {24, 25, 26, 27}, {28, 29, 30, 31}, {32, 33, 34, 35}}
+	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: src})), OutcomeStored)
+	var jobs []*Job
+	for l := 1; l < g.Layers; l++ {
+		j, err := e.Load(ctx, LoadRequest{Cache: cid, Keys: keys, Blocks: dst, Layers: LayerRange{First: l, Count: 1}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		jobs = append(jobs, j)
+	}
+	testwait.Until(t, "the last layers' load waiting for its turn", 30*time.Second, func() bool { return e.st.tailTurns.Load() == 1 })
+	mv.mu.Lock()
+	early := slices.Contains(mv.events, "s3")
+	mv.mu.Unlock()
+	close(mv.gate)
+	for _, j := range jobs {
+		wantOutcomes(t, "load", waitJob(t, j, nil), OutcomeLoaded)
+	}
+	if early {
+		t.Errorf("a file of the last layers' load was read while the load before it still ran: %v", mv.events)
+	}
+	lastEnd := -1
+	for i, ev := range mv.events {
+		if ev == "e2" {
+			lastEnd = i
+		}
+	}
+	if first := slices.Index(mv.events, "s3"); first < lastEnd {
+		t.Errorf("reads %v: layer 3's first read began before layer 2's last ended", mv.events)
+	}
+}

@@ -91,9 +91,13 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	e.access(ctx, pins)
 	pinning.End()
 
-	// The cache's earlier loads take their file slots first (loadOrder).
+	// The cache's earlier loads take their file slots first; the load of a
+	// step's last layers waits for the previous load's end (loadOrder).
 	waiting := trace.StartRegion(ctx, "load: turn")
-	turn.wait(ctx)
+	if lr.tail(c.ns.geo.Layers) && turn.prev != nil {
+		e.st.tailTurns.Add(1)
+	}
+	turn.wait(ctx, lr.tail(c.ns.geo.Layers))
 	waiting.End()
 	slots := trace.StartRegion(ctx, "load: file slots")
 	var wg sync.WaitGroup
@@ -163,6 +167,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	files := trace.StartRegion(ctx, "load: files")
 	wg.Wait()
 	files.End()
+	turn.ended()
 
 	// Unpin; loaded entries count as hits. A layer-wise load of a key
 	// is one job per group of layers: only the group that starts at
