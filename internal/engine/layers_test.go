@@ -537,6 +537,35 @@ func (m *orderMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan
 	return m.fakeMover.ReadFile(ctx, f, p, sums)
 }
 
+// fakeBlocks is the blocks per layer plane of fourFilesOnFakeDevice's cache.
+const fakeBlocks = 40
+
+// fakeLayerBytes is the bytes of one layer tensor of
+// fourFilesOnFakeDevice's cache (layer tensors lie one after another in
+// the fake device: registerFakeDevice).
+func fakeLayerBytes(g Geometry) int64 { return 2 * fakeBlocks * g.BlockBytes() }
+
+// fourFilesOnFakeDevice opens an engine on a buffered mount whose device
+// loads go through mv, with workers I/O slots, and stores four keys of
+// geometry g, one file each, from a fake device cache; it returns the
+// engine, the cache, the keys and blocks of that cache to load them into.
+func fourFilesOnFakeDevice(t *testing.T, g Geometry, mv transfer.Mover, workers int) (*Engine, CacheID, [][]byte, [][]int) {
+	t.Helper()
+	ctx := context.Background()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), IOWorkers: workers,
+		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cid, _ := registerFakeDevice(t, e, ns, g, 7, fakeBlocks)
+	keys := testKeys("four", 4)
+	src := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}
+	dst := [][]int{{20, 21, 22, 23}, {24, 25, 26, 27}, {28, 29, 30, 31}, {32, 33, 34, 35}}
+	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: src})), OutcomeStored)
+	return e, cid, keys, dst
+}
+
 // TestACachesLoadsTakeFileSlotsInTheOrderTheyCame: three one-layer loads
 // of the same four files (one key each), submitted at once into one cache
 // as a layer-wise client submits a step's layers, with one I/O slot: every
@@ -546,19 +575,8 @@ func (m *orderMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan
 func TestACachesLoadsTakeFileSlotsInTheOrderTheyCame(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true)
-	const nb = 40
-	mv := &orderMover{layerBytes: 2 * nb * g.BlockBytes(), gate: make(chan struct{})}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), IOWorkers: 1,
-		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cid, _ := registerFakeDevice(t, e, ns, g, 7, nb)
-	keys := testKeys("order", 4)
-	src := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}
-	dst := [][]int{{20, 21, 22, 23}, {24, 25, 26, 27}, {28, 29, 30, 31}, {32, 33, 34, 35}}
-	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: src})), OutcomeStored)
+	mv := &orderMover{layerBytes: fakeLayerBytes(g), gate: make(chan struct{})}
+	e, cid, keys, dst := fourFilesOnFakeDevice(t, g, mv, 1)
 	var jobs []*Job
 	for l := range 3 {
 		j, err := e.Load(ctx, LoadRequest{Cache: cid, Keys: keys, Blocks: dst, Layers: LayerRange{First: l, Count: 1}})
@@ -619,19 +637,8 @@ func (m *tailMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan,
 func TestTheLoadOfAStepsLastLayersWaitsForTheLoadBeforeItToEnd(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true) // 4 layers
-	const nb = 40
-	mv := &tailMover{layerBytes: 2 * nb * g.BlockBytes(), holdLayer: 2, hold: 4, gate: make(chan struct{})}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), IOWorkers: 2,
-		Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cid, _ := registerFakeDevice(t, e, ns, g, 7, nb)
-	keys := testKeys("tail", 4)
-	src := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}
-	dst := [][]int{{20, 21, 22, 23}, {24, 25, 26, 27}, {28, 29, 30, 31}, {32, 33, 34, 35}}
-	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: src})), OutcomeStored)
+	mv := &tailMover{layerBytes: fakeLayerBytes(g), holdLayer: 2, hold: 4, gate: make(chan struct{})}
+	e, cid, keys, dst := fourFilesOnFakeDevice(t, g, mv, 2)
 	var jobs []*Job
 	for l := 1; l < g.Layers; l++ {
 		j, err := e.Load(ctx, LoadRequest{Cache: cid, Keys: keys, Blocks: dst, Layers: LayerRange{First: l, Count: 1}})
