@@ -427,21 +427,15 @@ def metrics_text(metrics_addr):
         return r.read().decode()
 
 
-def registered_files(metrics_addr):
-    """How many files the daemon holds registered with CUDA now (None
-    where it cannot be asked): what a load mode's repetitions found."""
+def metric_count(metrics_addr, name):
+    """A count the daemon's metrics give now, summed over its series (None
+    where it cannot be asked): kvhost_gpu_registered_files, the files it
+    holds registered with CUDA (what a load mode's repetitions found);
+    kvhost_files_verified_ahead_total, the files found at start it has
+    verified before their first loads."""
     if not metrics_addr:
         return None
-    return int(settle_reading(metrics_text(metrics_addr), ("kvhost_gpu_registered_files",))[0])
-
-
-def files_verified_ahead(metrics_addr):
-    """How many files found at start the daemon verified in the background
-    before their first load so far (None where it cannot be asked): after
-    a restart, those whose first loads move without summing them."""
-    if not metrics_addr:
-        return None
-    return int(settle_reading(metrics_text(metrics_addr), ("kvhost_files_verified_ahead_total",))[0])
+    return int(settle_reading(metrics_text(metrics_addr), (name,))[0])
 
 
 def load_readers(metrics_addr):
@@ -498,7 +492,7 @@ class Registrations:
         last = None
         while True:
             try:
-                n = registered_files(self.addr)
+                n = metric_count(self.addr, "kvhost_gpu_registered_files")
             except OSError:
                 n = None
             if n is not None and n != last:
@@ -791,14 +785,14 @@ class Bench:
             if self.registrations:
                 self.report["registrations"] = self.registrations.stop()
                 self.registrations = None
-                self.report["files_verified_ahead"] = files_verified_ahead(self.metrics)
+                self.report["files_verified_ahead"] = metric_count(self.metrics, "kvhost_files_verified_ahead_total")
                 regs = self.report["registrations"]
                 print(f"detail: before the first load mode: {regs[-1][1] if regs else 0} files registered "
                       f"(the last at {regs[-1][0] if regs else 0} s), {self.report['files_verified_ahead']} verified "
                       f"ahead", flush=True)
             reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
             first_rep = None
-            registered = registered_files(self.metrics) if mode in ("whole", "layerwise", "layerjobs", "split") else None
+            registered = metric_count(self.metrics, "kvhost_gpu_registered_files") if mode in ("whole", "layerwise", "layerjobs", "split") else None
             for i in range(a.warmup + a.reps):
                 if trace and i == a.warmup:
                     trace.start()

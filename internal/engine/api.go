@@ -680,8 +680,7 @@ type Stats struct {
 	LoadKeysCheckedBefore uint64
 	// FilesVerifiedAhead counts the files found at start on a memory
 	// mount that the engine verified in the background before their
-	// first load, so that their loads take them as verified
-	// (Engine.WaitVerifiedAhead).
+	// first load, so that their loads take them as verified.
 	FilesVerifiedAhead uint64
 	// PinnedFilesOpen is the files held open now for client pins, where
 	// another engine sharing the directory may remove them (a cluster

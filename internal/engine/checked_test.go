@@ -145,7 +145,7 @@ func TestAFileFoundAtOpenIsVerifiedOncePerLayerRange(t *testing.T) {
 	// verify itself: here not even its verification ahead of the loads,
 	// since every file's ctime moved after it.
 	e2 := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
-	if err := e2.WaitVerifiedAhead(context.Background()); err != nil {
+	if err := e2.verify.wait(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	touchFiles(t, e2)
@@ -200,7 +200,7 @@ func TestFilesFoundAtOpenAreVerifiedAheadOfTheirLoads(t *testing.T) {
 	flipByte(t, badPath, badSize-100)
 
 	e2 := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
-	if err := e2.WaitVerifiedAhead(context.Background()); err != nil {
+	if err := e2.verify.wait(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	files := len(indexedPaths(e2))
@@ -238,14 +238,15 @@ func TestFilesFoundAtOpenAreVerifiedAheadOfTheirLoads(t *testing.T) {
 
 func TestTheVerifierWaitsWhileFilesAreInFlightAndStopsWhileItWaits(t *testing.T) {
 	var busy atomic.Bool
-	v := &verifier{busy: busy.Load, stop: make(chan struct{})}
+	v := &verifier{busy: busy.Load}
+	v.ctx, v.stop = context.WithCancel(context.Background())
 	if !v.quiet() {
 		t.Fatal("quiet reported a stop with no file in flight and no stop")
 	}
 	busy.Store(true)
 	got := make(chan bool)
 	go func() { got <- v.quiet() }()
-	close(v.stop)
+	v.stop()
 	if <-got {
 		t.Error("quiet reported quiet while a file was in flight")
 	}

@@ -343,7 +343,6 @@ func TestEveryCallAfterCloseIsRefused(t *testing.T) {
 		"Index":             "the policy's view of the index, read only",
 		"WaitSpares":        "returns once the spare maker stopped, which Close did",
 		"WaitWarmed":        "returns once the warmer started, or at once",
-		"WaitVerifiedAhead": "returns once the verifier ended (Close stops it), or at once",
 		"MirrorKeys":        "tells the caller's key set of the index's keys: no mount, no policy",
 		"SetVerifyInterval": "stores a number the closed engine no longer reads",
 		"Removals":          "returns the removal feed, closed with the engine (checked below)",

@@ -94,10 +94,11 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	// The cache's earlier loads take their file slots first; the load of a
 	// step's last layers waits for the previous load's end (loadOrder).
 	waiting := trace.StartRegion(ctx, "load: turn")
-	if lr.tail(c.ns.geo.Layers) && turn.prev != nil {
+	tail := lr.tail(c.ns.geo.Layers)
+	if tail && turn.prev != nil {
 		e.st.tailTurns.Add(1)
 	}
-	turn.wait(ctx, lr.tail(c.ns.geo.Layers))
+	turn.wait(ctx, tail)
 	waiting.End()
 	slots := trace.StartRegion(ctx, "load: file slots")
 	var wg sync.WaitGroup

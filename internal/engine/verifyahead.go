@@ -1,10 +1,8 @@
 package engine
 
 import (
-	"cmp"
 	"context"
 	"log/slog"
-	"slices"
 	"sync/atomic"
 	"time"
 
@@ -45,8 +43,9 @@ type verifier struct {
 	files []*entry // found at start, the most recently used first
 
 	verified atomic.Uint64 // files recorded as verified (Stats.FilesVerifiedAhead)
-	stop     chan struct{}
-	done     chan struct{} // closed once every file was tried, or at stop
+	ctx      context.Context
+	stop     context.CancelFunc // ends ctx: close
+	done     chan struct{}      // closed once every file was tried, or at stop
 }
 
 // verifiesAhead reports whether m's loads would sum a found file's bytes
@@ -58,25 +57,12 @@ func (m *mount) verifiesAhead() bool {
 // startVerifier starts the verifier on the files ix holds on mounts that
 // verify ahead, the most recently used first; nil where there are none.
 func startVerifier(mounts []*mount, ix *index.Index, hd *headerReader, busy func() bool, log *slog.Logger) *verifier {
-	type found struct {
-		en   *entry
-		last int64
-	}
-	var start []found
-	ix.Files().Each(func(en *entry) {
-		if mounts[en.Mount].verifiesAhead() {
-			start = append(start, found{en, en.Last})
-		}
-	})
-	if len(start) == 0 {
+	files := foundAtStart(mounts, ix, (*mount).verifiesAhead)
+	if len(files) == 0 {
 		return nil
 	}
-	slices.SortStableFunc(start, func(a, b found) int { return cmp.Compare(b.last, a.last) })
-	files := make([]*entry, len(start))
-	for i, f := range start {
-		files[i] = f.en
-	}
-	v := &verifier{hd: hd, ix: ix, busy: busy, log: log, files: files, stop: make(chan struct{}), done: make(chan struct{})}
+	v := &verifier{hd: hd, ix: ix, busy: busy, log: log, files: files, done: make(chan struct{})}
+	v.ctx, v.stop = context.WithCancel(context.Background())
 	go v.run()
 	return v
 }
@@ -84,22 +70,13 @@ func startVerifier(mounts []*mount, ix *index.Index, hd *headerReader, busy func
 // run verifies the files in order, each once no file is in flight.
 func (v *verifier) run() {
 	defer close(v.done)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() {
-		select {
-		case <-v.stop:
-			cancel()
-		case <-v.done:
-		}
-	}()
 	start := time.Now()
 	var bytes int64
 	for i, en := range v.files {
 		if !v.quiet() {
 			return
 		}
-		if v.file(ctx, en) {
+		if v.file(en) {
 			v.verified.Add(1)
 			bytes += en.Size
 		}
@@ -111,25 +88,21 @@ func (v *verifier) run() {
 
 // quiet waits until no file is in flight; false once the verifier stops.
 func (v *verifier) quiet() bool {
-	for v.busy() {
+	for v.busy() && v.ctx.Err() == nil {
+		t := time.NewTimer(verifyQuiet)
 		select {
-		case <-v.stop:
-			return false
-		case <-time.After(verifyQuiet):
+		case <-v.ctx.Done():
+		case <-t.C:
 		}
+		t.Stop()
 	}
-	select {
-	case <-v.stop:
-		return false
-	default:
-		return true
-	}
+	return v.ctx.Err() == nil
 }
 
 // file verifies en's file and records it as verified; false where it was
 // not (gone, replaced, changed while read, a key that fails its sum, or
-// already verified at its present ctime).
-func (v *verifier) file(ctx context.Context, en *entry) bool {
+// verified at its present ctime already, by a load).
+func (v *verifier) file(en *entry) bool {
 	if v.ix.Files().Gone(en) {
 		return false
 	}
@@ -140,18 +113,11 @@ func (v *verifier) file(ctx context.Context, en *entry) bool {
 	}
 	defer f.Close()
 	id, err := fileIdentity(f)
-	if err != nil || id.Ctime == 0 {
+	keys := allKeys(h)
+	if err != nil || id.Ctime == 0 || checkedBefore(m, en, h, id, keys, LayerRange{}) {
 		return false
 	}
-	keys := allKeys(h)
-	if c := en.Checked.Load(); c != nil && c.Ctime == id.Ctime && c.Of(len(h.Keys), int(h.Layers)) && c.Covers(keys, 0, int(h.Layers)) {
-		return false // a load verified it first
-	}
-	want := make([]bool, len(h.Keys))
-	for k := range want {
-		want[k] = true
-	}
-	sums, err := recheck(ctx, f, h, want)
+	sums, err := recheck(v.ctx, f, h, nil)
 	if err != nil {
 		return false
 	}
@@ -168,7 +134,8 @@ func (v *verifier) file(ctx context.Context, en *entry) bool {
 	return true
 }
 
-// wait waits until the verifier tried every file, stopped, or ctx ended.
+// wait waits until the verifier tried every file, stopped, or ctx ended
+// (tests: Stats.FilesVerifiedAhead is final then).
 func (v *verifier) wait(ctx context.Context) error {
 	if v == nil {
 		return nil
@@ -194,12 +161,6 @@ func (v *verifier) close() {
 	if v == nil {
 		return
 	}
-	close(v.stop)
+	v.stop()
 	<-v.done
 }
-
-// WaitVerifiedAhead waits until the files found at Open on memory mounts
-// whose loads sum what they have not verified were verified in the
-// background (as many as passed; Stats.FilesVerifiedAhead), the engine
-// closed, or ctx ended; at once where there were none.
-func (e *Engine) WaitVerifiedAhead(ctx context.Context) error { return e.verify.wait(ctx) }

@@ -81,24 +81,35 @@ func startWarmer(mounts []*mount, ix *index.Index, open func(m *mount, path stri
 	if !want {
 		return nil
 	}
-	type found struct {
-		warmFile
-		last int64
-	}
-	var start []found
-	ix.Files().Each(func(en *entry) {
-		if m := mounts[en.Mount]; m.memory {
-			start = append(start, found{warmFile{en.Mount, en.Path, en.Ident}, en.Last})
-		}
-	})
-	slices.SortFunc(start, func(a, b found) int { return cmp.Compare(b.last, a.last) })
-	files := make([]warmFile, len(start))
-	for i, f := range start {
-		files[i] = f.warmFile
+	var files []warmFile
+	for _, en := range foundAtStart(mounts, ix, func(m *mount) bool { return m.memory }) {
+		files = append(files, warmFile{en.Mount, en.Path, en.Ident})
 	}
 	w := &warmer{mounts: mounts, open: open, found: make(chan warmFile, warmQueue), stop: make(chan struct{}), started: make(chan struct{}), done: make(chan struct{})}
 	go w.run(files)
 	return w
+}
+
+// foundAtStart returns the entries ix holds on the mounts keep takes,
+// the most recently used first: the files the warmer and the verifier
+// work through after Open.
+func foundAtStart(mounts []*mount, ix *index.Index, keep func(*mount) bool) []*entry {
+	type found struct {
+		en   *entry
+		last int64 // read under the index's lock, where hits write it
+	}
+	var start []found
+	ix.Files().Each(func(en *entry) {
+		if keep(mounts[en.Mount]) {
+			start = append(start, found{en, en.Last})
+		}
+	})
+	slices.SortStableFunc(start, func(a, b found) int { return cmp.Compare(b.last, a.last) })
+	out := make([]*entry, len(start))
+	for i, f := range start {
+		out[i] = f.en
+	}
+	return out
 }
 
 // WaitWarmed waits until the files indexed at Open on memory mounts have
