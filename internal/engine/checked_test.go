@@ -167,6 +167,20 @@ func TestAFileFoundAtOpenIsVerifiedOncePerLayerRange(t *testing.T) {
 	}
 }
 
+// wait waits until the verifier tried every file, stopped, or ctx ended
+// (Stats.FilesVerifiedAhead is final then); at once on a nil verifier.
+func (v *verifier) wait(ctx context.Context) error {
+	if v == nil {
+		return nil
+	}
+	select {
+	case <-v.done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 // touchFiles moves the ctime of every file e indexed (chmod: their
 // bytes stay what they were).
 func touchFiles(t *testing.T, e *Engine) {

@@ -134,20 +134,6 @@ func (v *verifier) file(en *entry) bool {
 	return true
 }
 
-// wait waits until the verifier tried every file, stopped, or ctx ended
-// (tests: Stats.FilesVerifiedAhead is final then).
-func (v *verifier) wait(ctx context.Context) error {
-	if v == nil {
-		return nil
-	}
-	select {
-	case <-v.done:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
 // count is the files verified so far (0 on a nil verifier).
 func (v *verifier) count() uint64 {
 	if v == nil {
