@@ -34,6 +34,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -130,15 +131,33 @@ func New(cfg Config) (*Server, error) {
 
 // warmXML has encoding/xml learn every type the server marshals or
 // unmarshals before any request does: its type cache is a sync.Map
-// filled on first use, and two handlers marshalling one type for the
-// first time at once were reported as a data race on the type's entry
-// (Go 1.26, two concurrent CompleteMultipartUpload replies), as
-// concurrent first use of a sync.Map has misbehaved before (Go issue
-// 81189).
+// filled on first use, and two handlers meeting one type for the first
+// time at once were reported as a data race on the type's entry (Go
+// 1.26: two concurrent CompleteMultipartUpload replies, then two
+// requests' part lists), as concurrent first use of a sync.Map has
+// misbehaved before (Go issue 81189). Every struct type reachable from
+// the messages is taught, the element types of their slices too, which
+// a message with empty slices never reaches.
 func warmXML() {
 	for _, v := range []any{listResult{}, deleteResult{}, initiateResult{}, completeResult{}, errorXML{},
 		deleteRequest{}, completeRequest{}} {
-		_, _ = xml.Marshal(v) // the type's entry is what is wanted, not the bytes
+		warmXMLType(reflect.TypeOf(v))
+	}
+}
+
+// warmXMLType teaches encoding/xml struct type t and the struct types
+// its fields hold: decoding any element into a t makes it build t's
+// type information first (the element's name may then be refused: the
+// error is not what is wanted).
+func warmXMLType(t reflect.Type) {
+	switch t.Kind() {
+	case reflect.Slice, reflect.Array, reflect.Pointer:
+		warmXMLType(t.Elem())
+	case reflect.Struct:
+		_ = xml.Unmarshal([]byte("<warm/>"), reflect.New(t).Interface())
+		for i := range t.NumField() {
+			warmXMLType(t.Field(i).Type)
+		}
 	}
 }
 
