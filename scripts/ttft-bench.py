@@ -105,6 +105,7 @@ import os
 import pathlib
 import platform
 import re
+import resource
 import socket as socketlib
 import shutil
 import statistics
@@ -184,6 +185,10 @@ def parse_args(argv=None):
                     help="the request's block ids: a random permutation (the default: a paged cache after "
                          "churn; every block its own copy) or in order (a fresh engine's; a key's blocks are "
                          "adjacent in each layer, which the daemon copies at once)")
+    ap.add_argument("--cuda-graphs", default="on", choices=("on", "off"),
+                    help="on (the default): passes of the suffix's tokens (at most 512) replay piecewise CUDA "
+                         "graphs, as vLLM runs them with a KV connector (attention and its waits eager between "
+                         "them); off: every pass eager")
     ap.add_argument("--layers-per-load", type=int, default=4, help="layers per layer-wise load job")
     ap.add_argument("--layer-groups", default="ramp", choices=("ramp", "even"),
                     help="the connector's layer_groups: ramp (first and last jobs one layer) or even")
@@ -559,12 +564,61 @@ def close(logits, ref):
     return rel <= TOL, rel
 
 
+def thread_sched():
+    """The calling thread's scheduler figures: (ns on a CPU, ns runnable
+    but waiting for one, involuntary context switches) from
+    /proc/self/task/TID/schedstat and getrusage; None where the kernel
+    keeps no schedstat."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            run, wait = (int(x) for x in f.read().split()[:2])
+        return run, wait, resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def process_cpu_ns(pid):
+    """The ns pid's threads spent on CPUs (their schedstat, summed; None
+    where unreadable)."""
+    if pid is None:
+        return None
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError):
+                pass  # a thread gone meanwhile
+    except OSError:
+        return None
+    return total
+
+
+def cpu_figures(before, after, daemon_before, daemon_after, ready):
+    """One repetition's CPU figures: the bench's main thread's time on a
+    CPU and runnable without one (what other threads took from it), its
+    involuntary switches, the daemon's CPU time, and for the connector's
+    modes the forward pass's pace (ms per layer between the first and
+    the last layer's wait returning)."""
+    out = {}
+    if before and after:
+        out.update(main_cpu_ms=round((after[0] - before[0]) / 1e6, 2),
+                   main_runnable_ms=round((after[1] - before[1]) / 1e6, 2), main_preempted=after[2] - before[2])
+    if daemon_before is not None and daemon_after is not None:
+        out["daemon_cpu_ms"] = round((daemon_after - daemon_before) / 1e6, 2)
+    if len(ready) > 1:
+        out["ms_per_layer"] = round((ready[-1] - ready[0]) / (len(ready) - 1), 3)
+    return out
+
+
 class Bench:
     """The model, its cache registered with the daemon, and the runs."""
 
     def __init__(self, a, client, socket, metrics=None):
         self.a, self.c = a, client
         self.metrics = metrics  # the daemon's metrics address (settle), None for one given by --socket
+        self.daemon_pid = None  # the daemon's process, where the bench started it (its CPU time per repetition)
         self.registrations = None  # a Registrations sampler, stopped as the first load mode begins
         self.dev = torch.device(a.device)
         self.cuda = self.dev.type == "cuda"
@@ -573,6 +627,9 @@ class Bench:
         self.cfg = Config(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                           head_dim=a.head_dim, mlp=a.mlp, vocab=a.vocab, window=a.window)
         self.model = Model(self.cfg, self.dev, seed=a.seed)
+        # Captured at start, as vLLM captures its graphs: passes of the
+        # suffix's tokens replay them (none on the CPU, nor past 512).
+        self.graphs = a.cuda_graphs == "on" and self.model.capture(a.suffix)
         bt = self.cfg.block_tokens
         self.num_blocks = (max(a.sizes) + a.suffix + bt - 1) // bt + 2  # the request's, one spare, the null block
         self.host_buf = None
@@ -790,7 +847,7 @@ class Bench:
                 print(f"detail: before the first load mode: {regs[-1][1] if regs else 0} files registered "
                       f"(the last at {regs[-1][0] if regs else 0} s), {self.report['files_verified_ahead']} verified "
                       f"ahead", flush=True)
-            reps, oks, errs, loaded, as_suffix, dropped, nbytes = [], [], [], [], [], [], []
+            reps, oks, errs, loaded, as_suffix, dropped, nbytes, cpu = [], [], [], [], [], [], [], []
             first_rep = None
             registered = metric_count(self.metrics, "kvhost_gpu_registered_files") if mode in ("whole", "layerwise", "layerjobs", "split") else None
             for i in range(a.warmup + a.reps):
@@ -801,7 +858,12 @@ class Bench:
                     dropped.append(drop_page_cache(self.cold_state))
                 failures = []
                 self.loaded_bytes = None
+                self.layer_ready = []
+                self.sync()
+                before, daemon_before = thread_sched(), process_cpu_ns(self.daemon_pid)
                 ms, (logits, k) = self.timed(lambda: run(failures))
+                cpu.append(cpu_figures(before, thread_sched(), daemon_before, process_cpu_ns(self.daemon_pid),
+                                       self.layer_ready))
                 if i == 0 and self.load_jobs:
                     # The first repetition's step (warm-up or not): the
                     # connector's first request of this size.
@@ -837,7 +899,15 @@ class Bench:
             record(mode, reps, oks, errs, {**extra, "loaded_tokens": loaded[-1], "loaded_tokens_reps": loaded[a.warmup:],
                                            "loaded_bytes_reps": nbytes[a.warmup:],
                                            "logits_equal_suffix_ceiling": as_suffix,
-                                           "page_cache_dropped": dropped})
+                                           "page_cache_dropped": dropped, "cpu_reps": cpu[a.warmup:]})
+            timed_cpu = cpu[a.warmup:]
+            if timed_cpu and all("main_cpu_ms" in x for x in timed_cpu):
+                def span(key):
+                    vals = [x[key] for x in timed_cpu if key in x]
+                    return f"{min(vals):g}-{max(vals):g}" if vals else "-"
+                print(f"cpu P {p} mode {mode} main_cpu_ms {span('main_cpu_ms')} main_runnable_ms "
+                      f"{span('main_runnable_ms')} preempted {span('main_preempted')} daemon_cpu_ms "
+                      f"{span('daemon_cpu_ms')} ms_per_layer {span('ms_per_layer')}", flush=True)
             for mount, (n, buffered, changes, gbps, arms) in (extra.get("load_readers_after") or {}).items():
                 tried = " ".join(f"{r}{'b' if b else 'd'} {g}{'*' if h else ''}" for r, b, g, h in arms)
                 print(f"readers P {p} mode {mode} mount {mount} readers {n} buffered {bool(buffered)} "
@@ -1512,6 +1582,7 @@ def hybrid_kv_cache_config(groups, page, window):
 def machine(a, bench):
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "device": str(bench.dev), "attention": bench.model.attention.kind, "rms_norm": bench.model.norm_kind,
+           "cuda_graphs": (f"piecewise, passes of {a.suffix} tokens" if bench.graphs else "none: every pass eager"),
            "rope": "bf16 (cos and sin cast to bf16)", "host": platform.node(),
            "cpus": os.cpu_count()}
     if bench.cuda:
@@ -1562,13 +1633,16 @@ def main(argv=None):
             bench = Bench(a, c, daemon.socket if daemon else a.socket, metrics)
             if daemon and metrics:
                 bench.registrations = Registrations(metrics, up)
+            if daemon:
+                bench.daemon_pid = daemon.proc.pid
             layerwise = (f"layer-range loads, {a.layers_per_load} layer(s) per job ({a.layer_groups})" if bench.layer_loads else
                          "one load job (no connector, or a daemon without layer-range loads)")
             print(f"detail: model {a.layers} layers hidden {a.hidden} heads {a.heads}/{a.kv_heads}x{a.head_dim} "
                   f"mlp {a.mlp} vocab {a.vocab}"
                   f"{f'; even layers a sliding window of {a.window} tokens' if a.window else ''}; "
                   f"attention: {bench.model.attention.kind}; "
-                  f"rms_norm: {bench.model.norm_kind}; layerwise: {layerwise}; "
+                  f"rms_norm: {bench.model.norm_kind}; cuda graphs: "
+                  f"{f'piecewise, {a.suffix}-token passes' if bench.graphs else 'none'}; layerwise: {layerwise}; "
                   f"reps {a.reps} (ms = median) after {a.warmup} warm-up; cold {a.cold}; blocks {a.blocks}", flush=True)
             bench.report.update(machine=machine(a, bench), args=vars(a), layer_loads=bench.layer_loads,
                                 tolerance={"rel_l2": TOL}, statistic="median and best of reps")

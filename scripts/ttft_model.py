@@ -16,8 +16,13 @@ and later; spelled out in fp32 before, as Model.norm_kind says), RoPE is
 applied in bf16 with cos and sin cast to bf16, as Hugging Face's Llama
 applies it. What remains apart from vLLM: attention reads the request's
 K/V gathered out of the paged cache (vLLM's FlashAttention reads the
-pages in place), the QKV and gate/up matrices are plain matmuls (no
-CUDA graphs, no torch.compile).
+pages in place), and the QKV and gate/up matrices are plain matmuls (no
+torch.compile). A pass of at most 512 tokens (a prompt's suffix after a
+cached prefix) runs as vLLM runs it with a KV connector: piecewise CUDA
+graphs (Model.capture), one per layer for the part before attention and
+one for the part after it, replayed, with attention and the connector's
+waits run eagerly between them; longer passes run eagerly, as vLLM runs
+a batch larger than its largest capture size.
 
 The cache is one allocation of (layers, 2, num_blocks, block_tokens,
 kv_heads, head_dim): cache[l] is layer l's (2, num_blocks, block_tokens,
@@ -154,6 +159,19 @@ class Attention:
         return torch.arange(t, device=device)[None, :] <= rows
 
 
+@dataclasses.dataclass
+class _Graphs:
+    """The piecewise CUDA graphs of a pass of one size (Model.capture):
+    its static buffers, and per layer the graph before attention (with
+    the q, k and v it leaves) and the graph after it."""
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn: torch.Tensor
+    before: list = dataclasses.field(default_factory=list)
+    after: list = dataclasses.field(default_factory=list)
+
+
 class Model:
     """The decoder's weights, bf16 on device, drawn from seed (the same
     weights in every process on the same device type). Each matrix is
@@ -180,6 +198,7 @@ class Model:
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         self.inv_freq = inv.to(self.device)
         self.attention = Attention(self.device)
+        self._graphs = {}  # a pass's tokens: its captured graphs (capture)
         self._fused_norm = getattr(F, "rms_norm", None)
         self.norm_kind = "torch rms_norm (fused)" if self._fused_norm else "fp32 spelled out (torch < 2.4)"
 
@@ -233,6 +252,67 @@ class Model:
             out.append(self.attention.masked(q[qs:qe], keys, values, mask))
         return torch.cat(out) if len(out) > 1 else out[0]
 
+    def _before_attention(self, i, x, cos, sin):
+        """Layer i's part before attention: RMSNorm, the QKV projection and
+        RoPE of the residual stream x (n, hidden); returns q, k and v."""
+        c, w, n = self.cfg, self.layers[i], x.shape[0]
+        qd, kvd = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        h = self._rms(x, w["ln1"]) @ w["qkv"]
+        q = self._rope(h[:, :qd].view(n, c.heads, c.head_dim), cos, sin)
+        k = self._rope(h[:, qd:qd + kvd].view(n, c.kv_heads, c.head_dim), cos, sin)
+        return q, k, h[:, qd + kvd:].view(n, c.kv_heads, c.head_dim)
+
+    def _after_attention(self, i, x, attn):
+        """Layer i's part after attention, into x in place: the output
+        projection of attn, RMSNorm and the MLP, each added to x."""
+        w = self.layers[i]
+        x.add_(attn @ w["o"])
+        gate, up = (self._rms(x, w["ln2"]) @ w["gate_up"]).chunk(2, dim=-1)
+        x.add_((F.silu(gate) * up) @ w["down"])
+
+    # vLLM's largest CUDA graph capture size by default: a pass of more
+    # tokens runs eagerly.
+    MAX_GRAPH_TOKENS = 512
+
+    def capture(self, n):
+        """Captures the piecewise CUDA graphs of a pass of n tokens, which
+        forward then replays for every pass of n tokens: per layer, the
+        part before attention and the part after it, over static buffers
+        (the residual stream, RoPE's cos and sin, attention's output), as
+        vLLM captures them at start. Returns whether it captured (only on
+        CUDA, for 0 < n <= MAX_GRAPH_TOKENS)."""
+        if self.device.type != "cuda" or not 0 < n <= self.MAX_GRAPH_TOKENS or n in self._graphs:
+            return n in self._graphs
+        c, dt = self.cfg, self.embed.dtype
+        x = torch.zeros(n, c.hidden, dtype=dt, device=self.device)
+        cos = torch.zeros(n, 1, c.head_dim // 2, dtype=dt, device=self.device)
+        sin = torch.zeros_like(cos)
+        attn = torch.zeros(n, c.heads * c.head_dim, dtype=dt, device=self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up before capture (cuBLAS's workspaces)
+            for i in range(c.layers):
+                self._before_attention(i, x, cos, sin)
+                self._after_attention(i, x, attn)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = _Graphs(x, cos, sin, attn)
+        # Captured in the order they are replayed (every pass replays them
+        # all, in order): graphs of one pool may then reuse each other's
+        # freed intermediates.
+        for i in range(c.layers):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                qkv = self._before_attention(i, x, cos, sin)
+            graphs.before.append((g, qkv))
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._after_attention(i, x, attn)
+            graphs.after.append(g)
+        torch.cuda.synchronize()
+        self._graphs[n] = graphs
+        return True
+
     def forward(self, tokens, start, cache, table, before_attention=None, after_attention=None, window_table=None):
         """Computes tokens (a 1-D LongTensor on the model's device) at
         positions start.. of a request whose block table is table (a 1-D
@@ -244,8 +324,9 @@ class Model:
         attention layers call wait_for_layer_load and save_kv_layer).
         Window layers (cfg.windowed) use window_table where given (their
         KV-cache group's blocks: vLLM's null block 0 before the window),
-        else table. Returns the last token's logits (float32, on the
-        device)."""
+        else table. A pass of as many tokens as a capture (capture)
+        replays its graphs. Returns the last token's logits (float32, on
+        the device)."""
         c = self.cfg
         n = tokens.shape[0]
         end = start + n
@@ -255,13 +336,20 @@ class Model:
         cos, sin = ang.cos()[:, None, :].to(dt), ang.sin()[:, None, :].to(dt)
         blocks, rows = table[pos // c.block_tokens], pos % c.block_tokens
         used = table[:(end + c.block_tokens - 1) // c.block_tokens]
-        qd, kvd = c.heads * c.head_dim, c.kv_heads * c.head_dim
-        x = self.embed[tokens]
-        for i, w in enumerate(self.layers):
-            h = self._rms(x, w["ln1"]) @ w["qkv"]
-            q = self._rope(h[:, :qd].view(n, c.heads, c.head_dim), cos, sin)
-            k = self._rope(h[:, qd:qd + kvd].view(n, c.kv_heads, c.head_dim), cos, sin)
-            v = h[:, qd + kvd:].view(n, c.kv_heads, c.head_dim)
+        graphs = self._graphs.get(n)
+        if graphs is not None:  # replayed over its static buffers
+            graphs.x.copy_(self.embed[tokens])
+            graphs.cos.copy_(cos)
+            graphs.sin.copy_(sin)
+            x = graphs.x
+        else:
+            x = self.embed[tokens]  # a copy: the layers add into it in place
+        for i in range(c.layers):
+            if graphs is not None:
+                g, (q, k, v) = graphs.before[i]
+                g.replay()
+            else:
+                q, k, v = self._before_attention(i, x, cos, sin)
             if before_attention is not None:
                 before_attention(i)
             layer = cache[i]
@@ -270,15 +358,18 @@ class Model:
                 wblocks = wt[pos // c.block_tokens]
                 layer[0, wblocks, rows] = k
                 layer[1, wblocks, rows] = v
-                x = x + self._window_attention(q, layer, wt, start, end) @ w["o"]
+                attn = self._window_attention(q, layer, wt, start, end)
             else:
                 layer[0, blocks, rows] = k
                 layer[1, blocks, rows] = v
                 keys = layer[0, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
                 values = layer[1, used].reshape(-1, c.kv_heads, c.head_dim)[:end]
-                x = x + self.attention(q, keys, values) @ w["o"]
+                attn = self.attention(q, keys, values)
             if after_attention is not None:
                 after_attention(i)
-            gate, up = (self._rms(x, w["ln2"]) @ w["gate_up"]).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ w["down"]
+            if graphs is not None:
+                graphs.attn.copy_(attn)
+                graphs.after[i].replay()
+            else:
+                self._after_attention(i, x, attn)
         return (self._rms(x[-1:], self.norm) @ self.head)[0].float()

@@ -131,6 +131,19 @@ class TestTtftBenchScript(unittest.TestCase):
         first = size["modes"]["layerwise"]["first_rep"]
         self.assertEqual(first["ms"], size["modes"]["layerwise"]["warmup_ms"][0])
         self.assertEqual([j["layers"] for j in first["load_jobs"]], [[0, 1], [1, 1]])
+        # Each timed repetition's CPU figures: the bench's main thread's
+        # time on a CPU and waiting for one, the daemon's CPU time, and
+        # for the connector's modes the forward pass's pace per layer.
+        for mode in ("whole", "layerwise"):
+            cpu = size["modes"][mode]["cpu_reps"]
+            self.assertEqual(len(cpu), 2, mode)
+            for x in cpu:
+                self.assertGreater(x["main_cpu_ms"], 0, mode)
+                self.assertGreaterEqual(x["main_runnable_ms"], 0, mode)
+                self.assertGreaterEqual(x["main_preempted"], 0, mode)
+                self.assertGreater(x["daemon_cpu_ms"], 0, mode)  # it served the load
+            self.assertEqual("ms_per_layer" in cpu[0], mode == "layerwise", mode)
+            self.assertRegex(out.stdout, rf"cpu P 64 mode {mode} main_cpu_ms [\d.]+-[\d.]+ main_runnable_ms ")
         for j in jobs:
             self.assertGreater(j["daemon_ms"], 0)
             self.assertLessEqual(j["sent_ms"], j["waited_ms"])
