@@ -1157,11 +1157,15 @@ class Bench:
                 ratios["split/modelled_at_split_tokens"] = statistics.median(at)
             if opt.get("optimum_ms"):
                 ratios["split/modelled_optimum"] = med["split"] / opt["optimum_ms"]
+            if opt.get("at_rate_optimum_ms"):
+                ratios["split/optimum_at_rate"] = med["split"] / opt["at_rate_optimum_ms"]
             print(f"ratio P {p} S {s} split/recompute {ratios['split/recompute']:.2f} "
                   f"split_tokens {k} modelled_optimum/recompute "
                   f"{opt.get('optimum_ratio', nan):.2f} at_tokens {opt.get('optimum_tokens')} "
                   f"split/modelled_at_split_tokens {ratios.get('split/modelled_at_split_tokens', nan):.2f} "
-                  f"split/modelled_optimum {ratios.get('split/modelled_optimum', nan):.2f}")
+                  f"split/modelled_optimum {ratios.get('split/modelled_optimum', nan):.2f} rate_margin "
+                  f"{opt.get('rate_margin', nan):g} split/optimum_at_rate {ratios.get('split/optimum_at_rate', nan):.2f} "
+                  f"at_rate_tokens {opt.get('at_rate_optimum_tokens')}")
         rep["ratios"] = ratios
 
 
@@ -1246,11 +1250,23 @@ def split_optimum(p, s, chunk, model, recompute_ms):
     (CostModel.split: the largest within split_min_gain of its least,
     pricing every K with the whole hit's layer groups, where the optimum
     and modelled_ms price each K with its own) and the modelled TTFT of
-    every K."""
-    priced = {k: model.ttft_s(p + s, 0, k) * 1e3 for k in range(0, p + 1, chunk)}
+    every K, all with the loads priced as the split prices them (the
+    rate less its rate_margin); and beside them the optimum at the rate
+    itself (at_rate_*: the margin taken as 0)."""
+    def prices():
+        return {k: model.ttft_s(p + s, 0, k) * 1e3 for k in range(0, p + 1, chunk)}
+    priced = prices()
     best = min(priced, key=priced.get)
+    margin = model.rate_margin
+    model.rate_margin = 0.0
+    try:
+        at_rate = prices()
+    finally:
+        model.rate_margin = margin
+    best_at_rate = min(at_rate, key=at_rate.get)
     return {"optimum_tokens": best, "optimum_ms": priced[best], "optimum_ratio": priced[best] / recompute_ms,
-            "chosen_tokens": model.split(p + s, 0, p, chunk), "modelled_ms": priced}
+            "chosen_tokens": model.split(p + s, 0, p, chunk), "modelled_ms": priced, "rate_margin": margin,
+            "at_rate_optimum_tokens": best_at_rate, "at_rate_optimum_ms": at_rate[best_at_rate]}
 
 
 def block_hashes(names):

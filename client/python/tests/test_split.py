@@ -291,8 +291,29 @@ class PipelineTest(unittest.TestCase):
         self.assertTrue([c for c in range(256, hit + 1, 256) if nothing < m.ttft_s(total, 0, c, hit) <= least * 1.05],
                         "min_gain alone would allow a claim above recomputing")
 
+    def test_a_rate_margin_prices_claims_at_the_rate_less_the_margin_and_claims_less(self):
+        # Call 43's cold 8 K fit (1.94 GB/s, 13 ms latency): the model's
+        # least lay at 2,816 tokens, where the loads then ran at 1.6 GB/s
+        # and the split took 1.04 x recomputing. Priced 15% low, the split
+        # claims what a model at 85% of the rate claims, less than at the
+        # rate, and never more than the hit.
+        fit = dict(load_latency_s=0.0133, prefill_s_per_token=1.36e-5, prefill_s_per_token2=3.45e-9,
+                   prefill_fixed_s=0.0013, layers=32)
+        total, hit = 8704, 8192
+        at_rate = CostModel(LLAMA_BYTES_PER_TOKEN, 1.94, **fit)
+        hedged = CostModel(LLAMA_BYTES_PER_TOKEN, 1.94, rate_margin=0.15, **fit)
+        lower = CostModel(LLAMA_BYTES_PER_TOKEN, 1.94 * 0.85, **fit)
+        for k in (0, 1024, 2816, 8192):
+            self.assertAlmostEqual(hedged.ttft_s(total, 0, k), lower.ttft_s(total, 0, k), places=12)
+        self.assertEqual(hedged.split(total, 0, hit, 256), lower.split(total, 0, hit, 256))
+        self.assertLess(hedged.split(total, 0, hit, 256), at_rate.split(total, 0, hit, 256))
+        # The rate itself, what the jobs are sized by, is not moved.
+        self.assertEqual(hedged.load_gbps, at_rate.load_gbps)
+        self.assertEqual(hedged.layers_per_job(hit), at_rate.layers_per_job(hit))
+
     def test_bad_pipeline_options_are_refused_by_name(self):
-        for key, value in (("layers", 0), ("layers_per_load", 1.5), ("shape", "odd"), ("job_s", -1)):
+        for key, value in (("layers", 0), ("layers_per_load", 1.5), ("shape", "odd"), ("job_s", -1),
+                           ("rate_margin", 1.0), ("rate_margin", -0.1), ("rate_margin", True)):
             with self.subTest(key=key):
                 with self.assertRaisesRegex(ValueError, "layer_groups" if key == "shape" else key):
                     self.pipelined(2.0, **{key: value})

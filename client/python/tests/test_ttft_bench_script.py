@@ -169,7 +169,8 @@ class TestTtftBenchScript(unittest.TestCase):
         self.assertIn("fs_type", data["machine"]["mount"])
         self.assertRegex(out.stdout, r"ratio P 64 S 16 split/recompute \d+\.\d\d split_tokens \d+ "
                                      r"modelled_optimum/recompute \d+\.\d\d at_tokens (0|32|64) "
-                                     r"split/modelled_at_split_tokens \d+\.\d\d split/modelled_optimum \d+\.\d\d")
+                                     r"split/modelled_at_split_tokens \d+\.\d\d split/modelled_optimum \d+\.\d\d "
+                                     r"rate_margin 0\.15 split/optimum_at_rate \d+\.\d\d at_rate_tokens (0|32|64)\n")
         model = size["split_model"]  # the split's own model at this run's rates
         self.assertIn(model["optimum_tokens"], (0, 32, 64))
         self.assertGreater(model["optimum_ms"], 0)
@@ -194,6 +195,14 @@ class TestTtftBenchScript(unittest.TestCase):
         at = sorted(ms / model["modelled_ms"][str(k)] for ms, k in zip(split["reps_ms"], split["loaded_tokens_reps"]))
         self.assertAlmostEqual(size["ratios"]["split/modelled_at_split_tokens"], (at[0] + at[-1]) / 2, places=6)
         self.assertAlmostEqual(size["ratios"]["split/modelled_optimum"], split["median_ms"] / model["optimum_ms"],
+                               places=6)
+        # Priced as the split prices (the rate less its margin), and
+        # beside it the optimum at the rate itself.
+        self.assertEqual(model["rate_margin"], 0.15)
+        cm.rate_margin = 0.0
+        self.assertAlmostEqual(model["at_rate_optimum_ms"], min(cm.ttft_s(80, 0, k) for k in (0, 32, 64)) * 1e3, places=6)
+        self.assertLessEqual(model["at_rate_optimum_ms"], model["optimum_ms"] + 1e-9)
+        self.assertAlmostEqual(size["ratios"]["split/optimum_at_rate"], split["median_ms"] / model["at_rate_optimum_ms"],
                                places=6)
         # The bound mode: the prefix's K/V copied in per layer, no daemon,
         # every block equal to the recomputation's; each load mode is

@@ -153,9 +153,11 @@ class Stages(unittest.TestCase):
 
     def test_the_scheduler_prices_every_stages_layers_once_it_knows_them(self):
         # A 4-layer model from a slow mount (a worker's load of all four
-        # slower than their prefill): the claim of a 2,048-token hit.
+        # slower than their prefill): the claim of a 2,048-token hit,
+        # priced at the rate itself (the stages' pricing alone, where two
+        # equal stages' claim is barely worth its load).
         from kvhost.vllm._conn_stages import StageIdentity
-        total, hit, slow = 2048 + 256, 2048, {"load_gbps": 0.05, "load_latency_ms": 0.0}
+        total, hit, slow = 2048 + 256, 2048, {"load_gbps": 0.05, "load_latency_ms": 0.0, "split_rate_margin": 0.0}
         o = C.options({"socket": "/nonexistent", **slow})
         cls = C.connector_class(dc.NS(KVConnectorBase_V1=None))
 

@@ -60,6 +60,7 @@ OPTIONS = {
     "prefill_ns_per_token2": 1.0,     # prefill model: attention term (ns per token x context token)
     "prefill_fixed_ms": 0.0,    # prefill model: fixed cost of a step
     "split_min_gain": 0.05,     # recompute a cached token only to save more than this fraction of TTFT
+    "split_rate_margin": 0.15,  # the split prices a claim's loads at the learned rate less this fraction
     "load_rate_alpha": 0.2,     # EWMA weight of a measured load in the rate
     "load_rate_recover_s": 30.0,  # unmeasured, the learned rate moves half way back to the last good one per this (0: never)
     "tensor_layout": "blocks",  # "blocks": (num_blocks, ...) per layer; "planes": (2, num_blocks, ...)
@@ -145,6 +146,9 @@ def options(extra):
             continue  # by the daemon's mounts (start_rate_from_mounts)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not least <= v < 1e12:
             raise ValueError(f"kvhost.vllm: {k}: want a number {'> 0' if least else '>= 0'}, got {v!r}")
+    m = o["split_rate_margin"]
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+        raise ValueError(f"kvhost.vllm: split_rate_margin: want 0 <= margin < 1, got {m!r}")
     if not 0 < o["load_rate_alpha"] <= 1:
         raise ValueError(f"kvhost.vllm: load_rate_alpha: want 0 < alpha <= 1, got {o['load_rate_alpha']!r}")
     return o
@@ -184,7 +188,8 @@ def cost_model(o, bytes_per_token, layers=1):
     return CostModel(bytes_per_token, gbps, o["load_latency_ms"] / 1e3, o["prefill_us_per_token"] / 1e6,
                      o["prefill_ns_per_token2"] / 1e9, o["prefill_fixed_ms"] / 1e3, o["split_min_gain"],
                      o["load_rate_alpha"], o["load_rate_recover_s"], layers=layers,
-                     layers_per_load=o["layers_per_load"], shape=o["layer_groups"], job_s=o["load_job_ms"] / 1e3)
+                     layers_per_load=o["layers_per_load"], shape=o["layer_groups"], job_s=o["load_job_ms"] / 1e3,
+                     rate_margin=o["split_rate_margin"])
 
 
 # -- identity ------------------------------------------------------------------

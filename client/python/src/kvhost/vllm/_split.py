@@ -119,7 +119,13 @@ class CostModel:
     layer_groups' shape; job_s: the seconds of load a job is sized to
     (layers_per_job). stages: under pipeline parallelism, per stage in
     order its (bytes_per_token, layers) (the stages attribute; None: one
-    stage, bytes_per_token over layers)."""
+    stage, bytes_per_token over layers). rate_margin: what the split
+    and ttft_s take off the rate when they price a claim's loads (0: the
+    rate as learned): the modelled TTFT rises steeply past the claim
+    whose load keeps pace with the computation and falls gently before
+    it, so a claim priced at a rate its loads then miss costs far more
+    than one priced a little low (and a short claim's loads from a cold
+    disk move slower than the whole prefix's)."""
 
     # A forward pass the model prices below this is not taken into the
     # scale: decode steps and small chunks cost what the model's prefill
@@ -128,7 +134,8 @@ class CostModel:
 
     def __init__(self, bytes_per_token, load_gbps, load_latency_s=0.0, prefill_s_per_token=2.0e-5,
                  prefill_s_per_token2=1.0e-9, prefill_fixed_s=0.0, min_gain=0.05, alpha=0.2, recover_s=30.0,
-                 clock=time.monotonic, layers=1, layers_per_load=4, shape="ramp", job_s=0.008, stages=None):
+                 clock=time.monotonic, layers=1, layers_per_load=4, shape="ramp", job_s=0.008, stages=None,
+                 rate_margin=0.0):
         for name, v in (("bytes_per_token", bytes_per_token), ("load_gbps", load_gbps)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ValueError(f"kvhost.vllm: {name}: want a number > 0, got {v!r}")
@@ -137,6 +144,9 @@ class CostModel:
                         ("min_gain", min_gain), ("recover_s", recover_s), ("job_s", job_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"kvhost.vllm: {name}: want a number >= 0, got {v!r}")
+        if isinstance(rate_margin, bool) or not isinstance(rate_margin, (int, float)) or not 0 <= rate_margin < 1:
+            raise ValueError(f"kvhost.vllm: rate_margin: want 0 <= margin < 1, got {rate_margin!r}")
+        self.rate_margin = float(rate_margin)
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
             raise ValueError(f"kvhost.vllm: alpha: want 0 < alpha <= 1, got {alpha!r}")
         for name, v in (("layers", layers), ("layers_per_load", layers_per_load)):
@@ -344,10 +354,17 @@ class CostModel:
         """The modelled time to first token when k tokens are cached after
         loading k - computed of them: the pipeline of their layer groups
         (layers_per_job of job_tokens, by default k - computed) beside the
-        computation of tokens k..total."""
+        computation of tokens k..total, its loads priced at the rate less
+        rate_margin."""
         n = k - computed
         ends = self._ends(n if job_tokens is None else job_tokens) if n > 0 and self._pipelined else ()
-        return self._pipeline(total, computed, k, self._rate, self._scale, self.load_latency_s, ends)
+        return self._pipeline(total, computed, k, self._priced_rate, self._scale, self.load_latency_s, ends)
+
+    @property
+    def _priced_rate(self):
+        """The rate a claim's loads are priced at: the rate less
+        rate_margin."""
+        return self._rate * (1.0 - self.rate_margin)
 
     def _pipeline(self, total, computed, k, rate, scale, lat, ends):
         """TTFT(k) at rate, scale and latency lat, the load cut in the
@@ -442,7 +459,7 @@ class CostModel:
         hi = min(hit, total) // chunk
         if hi < lo:
             return computed
-        rate, scale, lat = self._rate, self._scale, self.load_latency_s  # one reading for the whole search
+        rate, scale, lat = self._priced_rate, self._scale, self.load_latency_s  # one reading for the whole search
         cache = {}
         # Every candidate is priced with the layer groups of the whole
         # hit's load: with groups sized per candidate, the modelled TTFT
