@@ -135,28 +135,44 @@ func TestTTFTFiguresMatchTheirRawFiles(t *testing.T) {
 	text = text[start:]
 	// call returns a row's call: its commit and the suffix of its runs'
 	// names ("3720e1fe b": the b call of that commit, runs "tmpfs-b"
-	// and "cold-b"; "" for a commit's first call).
-	call := func(cell string) (commit, suffix string) {
+	// and "cold-b"; "" for a commit's first call), and the run a third
+	// word names ("103896e9 c43 graphs8-a": run "graphs8-a-c43"; ""
+	// where none does).
+	call := func(cell string) (commit, suffix, run string) {
 		if m := reLinkText.FindStringSubmatch(cell); m != nil {
 			cell = m[1]
 		}
-		commit, suffix, _ = strings.Cut(cell, " ")
-		if suffix != "" {
-			suffix = "-" + suffix
+		f := strings.Fields(cell)
+		commit = f[0]
+		if len(f) > 1 {
+			suffix = "-" + f[1]
 		}
-		return commit, suffix
+		if len(f) > 2 {
+			run = f[2] + suffix
+		}
+		return commit, suffix, run
 	}
 	var layerwise, ratios, bounds, recomputes []float64
 	for _, r := range ttftTable(t, text, "From tmpfs, files registered") {
-		c, suffix := call(r[0])
+		c, suffix, name := call(r[0])
+		if name == "" {
+			name = "tmpfs" + suffix
+		}
 		p := strings.ReplaceAll(r[1], ",", "")
-		run := ttftRuns(t, c)["tmpfs"+suffix]
+		run := ttftRuns(t, c)[name]
 		if run == nil {
-			t.Errorf("%s: its raw file has no tmpfs%s run", c, suffix)
+			t.Errorf("%s: its raw file has no %s run", c, name)
 			continue
 		}
 		for k, mode := range []string{"recompute", "bound", "whole", "layerwise"} {
-			if raw, ok := run.median[p+"/"+mode]; !ok || !sameFigure(t, r[2+k], raw) {
+			raw, ok := run.median[p+"/"+mode]
+			if r[2+k] == "–" { // a mode the run did not time
+				if ok {
+					t.Errorf("docs/vllm.md: %s P %s %s: –, the raw file says %v", c, p, mode, raw)
+				}
+				continue
+			}
+			if !ok || !sameFigure(t, r[2+k], raw) {
 				t.Errorf("docs/vllm.md: %s P %s %s: %s, the raw file says %v", c, p, mode, r[2+k], raw)
 			}
 		}
@@ -172,7 +188,7 @@ func TestTTFTFiguresMatchTheirRawFiles(t *testing.T) {
 		}
 	}
 	for _, r := range ttftTable(t, text, "From the cold ext4 disk") {
-		c, suffix := call(r[0])
+		c, suffix, _ := call(r[0])
 		p := strings.ReplaceAll(r[1], ",", "")
 		run := ttftRuns(t, c)["cold"+suffix]
 		if run == nil {
