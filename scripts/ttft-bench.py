@@ -565,46 +565,43 @@ def close(logits, ref):
 
 
 def thread_sched():
-    """The calling thread's scheduler figures: (ns on a CPU, ns runnable
-    but waiting for one, involuntary context switches) from
-    /proc/self/task/TID/schedstat and getrusage; None where the kernel
-    keeps no schedstat."""
+    """The calling thread's figures: (ns on a CPU, ns runnable but
+    waiting for one, involuntary context switches). The CPU time is the
+    thread's CPU clock; the wait is schedstat's run delay (None where
+    /proc/self/task/TID/schedstat is missing or all zeros: a kernel
+    without scheduler statistics); the switches are getrusage's."""
+    wait = None
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            run, wait = (int(x) for x in f.read().split()[:2])
-        return run, wait, resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-    except (OSError, ValueError, AttributeError):
-        return None
+            fields = [int(x) for x in f.read().split()[:2]]
+        if any(fields):
+            wait = fields[1]
+    except (OSError, ValueError):
+        pass
+    return time.thread_time_ns(), wait, resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
 
 
 def process_cpu_ns(pid):
-    """The ns pid's threads spent on CPUs (their schedstat, summed; None
-    where unreadable)."""
+    """The ns pid spent on CPUs, every thread's, those ended included
+    (its process CPU clock; None where unreadable)."""
     if pid is None:
         return None
-    total = 0
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (OSError, ValueError):
-                pass  # a thread gone meanwhile
+        return time.clock_gettime_ns(((~pid) << 3) | 2)  # CPUCLOCK_SCHED of pid's whole process
     except OSError:
         return None
-    return total
 
 
 def cpu_figures(before, after, daemon_before, daemon_after, ready):
     """One repetition's CPU figures: the bench's main thread's time on a
     CPU and runnable without one (what other threads took from it), its
-    involuntary switches, the daemon's CPU time, and for the connector's
-    modes the forward pass's pace (ms per layer between the first and
-    the last layer's wait returning)."""
-    out = {}
-    if before and after:
-        out.update(main_cpu_ms=round((after[0] - before[0]) / 1e6, 2),
-                   main_runnable_ms=round((after[1] - before[1]) / 1e6, 2), main_preempted=after[2] - before[2])
+    involuntary switches, the daemon's CPU time, and, given when each
+    layer's wait returned (ready: the connector's modes that overlap the
+    forward pass), the forward pass's pace (ms per layer between the
+    first and the last layer's wait returning)."""
+    out = {"main_cpu_ms": round((after[0] - before[0]) / 1e6, 2), "main_preempted": after[2] - before[2]}
+    if before[1] is not None and after[1] is not None:
+        out["main_runnable_ms"] = round((after[1] - before[1]) / 1e6, 2)
     if daemon_before is not None and daemon_after is not None:
         out["daemon_cpu_ms"] = round((daemon_after - daemon_before) / 1e6, 2)
     if len(ready) > 1:
@@ -858,12 +855,14 @@ class Bench:
                     dropped.append(drop_page_cache(self.cold_state))
                 failures = []
                 self.loaded_bytes = None
-                self.layer_ready = []
+                # This repetition's step, where it goes through the
+                # connector (none left from an earlier mode's requests).
+                self.layer_ready, self.phases, self.load_jobs = [], {}, []
                 self.sync()
                 before, daemon_before = thread_sched(), process_cpu_ns(self.daemon_pid)
                 ms, (logits, k) = self.timed(lambda: run(failures))
                 cpu.append(cpu_figures(before, thread_sched(), daemon_before, process_cpu_ns(self.daemon_pid),
-                                       self.layer_ready))
+                                       self.layer_ready if mode != "layerjobs" else []))
                 if i == 0 and self.load_jobs:
                     # The first repetition's step (warm-up or not): the
                     # connector's first request of this size.
@@ -901,7 +900,7 @@ class Bench:
                                            "logits_equal_suffix_ceiling": as_suffix,
                                            "page_cache_dropped": dropped, "cpu_reps": cpu[a.warmup:]})
             timed_cpu = cpu[a.warmup:]
-            if timed_cpu and all("main_cpu_ms" in x for x in timed_cpu):
+            if timed_cpu:
                 def span(key):
                     vals = [x[key] for x in timed_cpu if key in x]
                     return f"{min(vals):g}-{max(vals):g}" if vals else "-"
@@ -946,6 +945,7 @@ class Bench:
                         self.poison(p)
                         conn.request(sched, p, tokens, [])
                         extra += 1
+                    self.layer_ready, self.phases, self.load_jobs = [], {}, []  # theirs, reported by no mode
                     rep["lookup_extra_requests"] = extra
                 finally:
                     if look:
