@@ -97,6 +97,7 @@ machine (GPU, torch, CUDA), the mount, the ceilings and the ratios. The
 exit status is 1 where any ok is False.
 """
 import argparse
+import copy
 import gc
 import hashlib
 import json
@@ -1253,19 +1254,16 @@ def split_optimum(p, s, chunk, model, recompute_ms):
     every K, all with the loads priced as the split prices them (the
     rate less its rate_margin); and beside them the optimum at the rate
     itself (at_rate_*: the margin taken as 0)."""
-    def prices():
-        return {k: model.ttft_s(p + s, 0, k) * 1e3 for k in range(0, p + 1, chunk)}
-    priced = prices()
+    def prices(m):
+        return {k: m.ttft_s(p + s, 0, k) * 1e3 for k in range(0, p + 1, chunk)}
+    priced = prices(model)
     best = min(priced, key=priced.get)
-    margin = model.rate_margin
-    model.rate_margin = 0.0
-    try:
-        at_rate = prices()
-    finally:
-        model.rate_margin = margin
+    unhedged = copy.copy(model)  # the scheduler's model stays as it is
+    unhedged.rate_margin = 0.0
+    at_rate = prices(unhedged)
     best_at_rate = min(at_rate, key=at_rate.get)
     return {"optimum_tokens": best, "optimum_ms": priced[best], "optimum_ratio": priced[best] / recompute_ms,
-            "chosen_tokens": model.split(p + s, 0, p, chunk), "modelled_ms": priced, "rate_margin": margin,
+            "chosen_tokens": model.split(p + s, 0, p, chunk), "modelled_ms": priced, "rate_margin": model.rate_margin,
             "at_rate_optimum_tokens": best_at_rate, "at_rate_optimum_ms": at_rate[best_at_rate]}
 
 
