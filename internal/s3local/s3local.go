@@ -139,24 +139,29 @@ func New(cfg Config) (*Server, error) {
 // the messages is taught, the element types of their slices too, which
 // a message with empty slices never reaches.
 func warmXML() {
+	seen := map[reflect.Type]bool{}
 	for _, v := range []any{listResult{}, deleteResult{}, initiateResult{}, completeResult{}, errorXML{},
 		deleteRequest{}, completeRequest{}} {
-		warmXMLType(reflect.TypeOf(v))
+		warmXMLType(reflect.TypeOf(v), seen)
 	}
 }
 
 // warmXMLType teaches encoding/xml struct type t and the struct types
-// its fields hold: decoding any element into a t makes it build t's
-// type information first (the element's name may then be refused: the
-// error is not what is wanted).
-func warmXMLType(t reflect.Type) {
+// its fields hold, each once (seen): decoding any element into a t makes
+// it build t's type information first (the element's name may then be
+// refused: the error is not what is wanted).
+func warmXMLType(t reflect.Type, seen map[reflect.Type]bool) {
 	switch t.Kind() {
 	case reflect.Slice, reflect.Array, reflect.Pointer:
-		warmXMLType(t.Elem())
+		warmXMLType(t.Elem(), seen)
 	case reflect.Struct:
+		if seen[t] {
+			return // taught already, or a type that holds itself
+		}
+		seen[t] = true
 		_ = xml.Unmarshal([]byte("<warm/>"), reflect.New(t).Interface())
 		for i := range t.NumField() {
-			warmXMLType(t.Field(i).Type)
+			warmXMLType(t.Field(i).Type, seen)
 		}
 	}
 }
