@@ -20,6 +20,7 @@ import (
 type storeTally struct {
 	stored, refused, other int
 	lastRefusal            error
+	longest                time.Duration // the longest store, submission to its outcome
 }
 
 // storeFor has n store count one-key files (prefix, blocks of their own;
@@ -37,6 +38,7 @@ func storeFor(n *node, prefix string, count int, pace time.Duration, seed uint64
 		}
 		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
 		n.c.fill(r, bl)
+		began := time.Now()
 		j, err := n.e.Store(context.Background(), StoreRequest{Cache: n.c.id, Keys: testKeys(fmt.Sprintf("%s%05d", prefix, i), 1), Blocks: [][]int{bl}})
 		if err != nil {
 			tally.other++
@@ -45,6 +47,7 @@ func storeFor(n *node, prefix string, count int, pace time.Duration, seed uint64
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		res, _ := j.Wait(ctx)
 		cancel()
+		tally.longest = max(tally.longest, time.Since(began))
 		switch kr := res.Keys; {
 		case len(kr) == 1 && kr[0].Outcome == OutcomeStored:
 			tally.stored++
@@ -128,8 +131,9 @@ func TestClusterABusyNodeNeverStarvesTheQuietOnes(t *testing.T) {
 			if p := peak.Load(); p > capacity+file {
 				t.Errorf("the files on the mount peaked at %d bytes, over the bound of %d by more than one file", p, capacity)
 			}
-			t.Logf("stored %d, %d, %d; refused %d, %d, %d; peak %d of %d bytes", tallies[0].stored, tallies[1].stored, tallies[2].stored,
-				tallies[0].refused, tallies[1].refused, tallies[2].refused, peak.Load(), capacity)
+			t.Logf("stored %d, %d, %d; refused %d, %d, %d; longest store %v, %v, %v; peak %d of %d bytes", tallies[0].stored, tallies[1].stored, tallies[2].stored,
+				tallies[0].refused, tallies[1].refused, tallies[2].refused,
+				tallies[0].longest.Round(time.Millisecond), tallies[1].longest.Round(time.Millisecond), tallies[2].longest.Round(time.Millisecond), peak.Load(), capacity)
 		})
 	}
 }

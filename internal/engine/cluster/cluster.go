@@ -915,9 +915,11 @@ func (c *Mount) evict(ctx context.Context, own []ranked, cut uint64, need int64)
 // fair share (shareLocked) beside a node above its own evicts none of its
 // files beyond the cut-off: it asks the room (want, published) and waits
 // for the others to evict down to their shares (at their next claim
-// raise or tick), reading the directory every pollStarved, for at most
-// starveWaitLocked. Without the directory (lost), or while a node that
-// may run cannot be counted (c.unknown: its summary unusable, none read
+// raise or tick), reading the directory every pollStarved, for
+// starveWaitLocked and the time its own node held the mount meanwhile,
+// longer while a peer above its share has not had its turns
+// (peersHadTheirTurnsLocked), never past maxStarveWait. Without the
+// directory (lost), or while a node that may run cannot be counted (c.unknown: its summary unusable, none read
 // before), it stays within its last claim. A caller that gave up (ctx
 // cancelled) before the eviction gets ctx's error instead, with no file
 // deleted. A call that fails publishes its claim again, lowered back to
@@ -941,8 +943,9 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 			}
 		}
 	}()
-	wait := c.starveWaitLocked()
-	deadline := time.Now().Add(wait)
+	begun := time.Now()
+	deadline := begun.Add(c.starveWaitLocked())
+	var above map[string]uint64 // at the first read after the request's publication
 	for {
 		c.mu.Unlock()
 		t := time.NewTimer(pollStarved(c.interval))
@@ -951,7 +954,11 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 		case <-t.C:
 		}
 		t.Stop()
+		locking := time.Now()
 		c.mu.Lock()
+		// The time this node's own work held the mount (its tick) is no
+		// time the others had to answer: the wait goes on as long.
+		deadline = deadline.Add(time.Since(locking))
 		if ctx.Err() != nil {
 			return fmt.Errorf("engine: mount %s: waiting for room within this node's fair share: %w", c.Root, ctx.Err())
 		}
@@ -959,21 +966,60 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 			c.lose(rerr)
 			return err
 		}
-		if c.own+size <= c.limitLocked(c.claim) || time.Now().After(deadline) {
+		if above == nil {
+			above = c.seqsAboveShareLocked()
+		}
+		now := time.Now()
+		out := now.Sub(begun) >= maxStarveWait || now.After(deadline) && c.peersHadTheirTurnsLocked(above)
+		if c.own+size <= c.limitLocked(c.claim) || out {
 			var again bool
 			if again, err = c.reserveLocked(ctx, size); !again {
 				return err
 			}
-			if time.Now().After(deadline) {
+			if out {
 				c.waitedOut = c.peersSeen()
 				var ns *NoSpaceError
 				if errors.As(err, &ns) {
-					ns.Why = fmt.Sprintf("waited %v for the other nodes to evict down to their fair shares (this node's: %d bytes; a node idle above its share evicts at its next tick)", wait, c.shareLocked())
+					ns.Why = fmt.Sprintf("waited %v for the other nodes to evict down to their fair shares (this node's: %d bytes; a node idle above its share evicts at its next tick)", now.Sub(begun).Round(time.Millisecond), c.shareLocked())
 				}
 				return err
 			}
 		}
 	}
+}
+
+// seqsAboveShareLocked is the sequence numbers of the live peers above
+// their fair share as last read, by node: those whose evicting would give
+// a waiting store its room. Called with c.mu held.
+func (c *Mount) seqsAboveShareLocked() map[string]uint64 {
+	share := c.shareLocked()
+	seqs := make(map[string]uint64)
+	for _, p := range c.peers {
+		if p.Claim > share {
+			seqs[p.Node] = p.Seq
+		}
+	}
+	return seqs
+}
+
+// peersHadTheirTurnsLocked reports whether every live peer of above
+// (seqsAboveShareLocked at the wait's first read, after this node's
+// request was published) that still claims more than its share published
+// twice since: the first may rest on a read from before the request, the
+// second on one after it. A peer gone from the live ones, or down to its
+// share, has had its turn. A wait ends at its length only then (or at
+// maxStarveWait): on a loaded machine a peer's tick can run late, and a
+// refusal then would blame a peer that never saw the request. Called
+// with c.mu held.
+func (c *Mount) peersHadTheirTurnsLocked(above map[string]uint64) bool {
+	share := c.shareLocked()
+	for _, p := range c.peers {
+		seq, ok := above[p.Node]
+		if ok && p.Claim > share && p.Seq-seq < 2 {
+			return false
+		}
+	}
+	return true
 }
 
 // pollStarved is how often a store waiting for room within its node's
@@ -985,7 +1031,8 @@ func pollStarved(i time.Duration) time.Duration {
 // How long a store waits for room within its node's fair share, whatever
 // the nodes' intervals: at least minStarveWait (a busy peer's next claim
 // raise, through a file system that stalls a rename now and then), at
-// most maxStarveWait.
+// most maxStarveWait, which is also how long a wait goes on while a peer
+// above its share has not published twice since it began.
 const (
 	minStarveWait = time.Second
 	maxStarveWait = 5 * time.Second
