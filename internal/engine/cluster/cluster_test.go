@@ -21,6 +21,7 @@ import (
 	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/internal/testlog"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // These tests run a cluster mount alone: its own index and space, and a
@@ -34,10 +35,22 @@ type host struct {
 	ix      *index.Index
 	mu      sync.Mutex
 	evicted []*index.Entry
+	// hold, where set, holds the next Rank call (and its caller's hold
+	// of the mount) until it is closed; held is closed as that call
+	// begins.
+	hold, held chan struct{}
 }
 
 func (h *host) Now() time.Time { return time.Now() }
 func (h *host) Rank(context.Context, []abi.RankRecord) (bool, error) {
+	h.mu.Lock()
+	hold, held := h.hold, h.held
+	h.hold, h.held = nil, nil
+	h.mu.Unlock()
+	if hold != nil {
+		close(held)
+		<-hold
+	}
 	return false, nil // ranked by last access
 }
 func (h *host) Access(context.Context, []abi.AccessRecord) {}
@@ -77,6 +90,11 @@ func newNode(t *testing.T, dir, name string, capacity int64) *node {
 // openNode opens node name's cluster mount on dir, closed at the test's
 // end.
 func openNode(t *testing.T, dir, name string, capacity int64) (*node, error) {
+	return openNodeEvery(t, dir, name, capacity, time.Hour)
+}
+
+// openNodeEvery is openNode for a node that publishes every interval.
+func openNodeEvery(t *testing.T, dir, name string, capacity int64, interval time.Duration) (*node, error) {
 	sp := space.New()
 	ms := space.NewMount(space.MountConfig{Root: dir, Configured: 1 << 40, High: 0.9, Low: 0.8}, fsys.StatFS{})
 	sp.Add(ms)
@@ -87,7 +105,7 @@ func openNode(t *testing.T, dir, name string, capacity int64) (*node, error) {
 	}
 	h := &host{ix: ix}
 	g := cluster.Group{Root: dir, Node: name, Log: testLogger(t), Host: h, Index: ix, Space: sp, Sp: ms}
-	c, err := cluster.Open(fsys.OS{}, g, b, time.Hour)
+	c, err := cluster.Open(fsys.OS{}, g, b, interval)
 	if c != nil {
 		t.Cleanup(c.Close)
 	}
@@ -152,6 +170,83 @@ func TestAReserveBeyondTheClusterBoundIsANoSpaceError(t *testing.T) {
 	}
 	if a.c.FitsBound(2 * fileSize) {
 		t.Fatal("after its refused reserve, a finds 2 MiB more fit beside b's claim")
+	}
+}
+
+// TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns: a holds 1 file
+// of a bound of 10 and b holds 6, both at 100 ms intervals (a wait of 1
+// s); b's claim, raised by a store it gave back, leaves a 1.5 files. a's
+// store of one more file, within its fair share of 5, waits for b to
+// lower its claim. Meanwhile a's own tick holds a's mount for longer than
+// that wait, and b does not publish. When a's tick lets go, b ticks,
+// lowering its claim; a's store then succeeds: the time its own tick held
+// the mount, and b's missed turns, did not count against the wait
+// (before, it was refused as soon as its tick let go).
+func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	const interval = 100 * time.Millisecond
+	open := func(name string) *node {
+		n, err := openNodeEvery(t, dir, name, 10*fileSize, interval)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	a, b := open("a"), open("b")
+	for i := range 6 {
+		b.index(t, "b", i, int64(100+i))
+	}
+	a.index(t, "a", 0, 200)
+	b.c.Tick(ctx)
+	a.c.Tick(ctx)
+	b.c.Tick(ctx)
+	if err := b.c.Reserve(ctx, 2*fileSize); err != nil {
+		t.Fatal(err)
+	}
+	b.c.GiveBack(2 * fileSize)
+	if va, vb := a.c.Inspect(), b.c.Inspect(); va.Own != fileSize || vb.Own != 6*fileSize || vb.Claim <= 8*fileSize {
+		t.Fatalf("a holds %d bytes, b %d and claims %d; want 1 file, 6 files and more than 8", va.Own, vb.Own, vb.Claim)
+	}
+	began := time.Now()
+	stored := make(chan error, 1)
+	go func() { stored <- a.c.Reserve(ctx, fileSize) }()
+	// a asks the room: its published claim grows to 2 files.
+	testwait.Until(t, "a's published claim asking 2 files", 10*time.Second, func() bool {
+		s, err := a.c.Dir().ReadSummary("a")
+		return err == nil && s.Claim >= 2*fileSize
+	})
+	hold, held := make(chan struct{}), make(chan struct{})
+	a.h.mu.Lock()
+	a.h.hold, a.h.held = hold, held
+	a.h.mu.Unlock()
+	ticked := make(chan struct{})
+	go func() {
+		defer close(ticked)
+		a.c.Tick(ctx) // holds a's mount in its Rank call until hold closes
+	}()
+	<-held
+	testwait.Until(t, "a's tick holding its mount past the wait's length", 10*time.Second, func() bool {
+		return time.Since(began) > 1500*time.Millisecond
+	})
+	select {
+	case err := <-stored:
+		t.Fatalf("a's store ended while its own tick held the mount: %v", err)
+	default:
+	}
+	close(hold)
+	<-ticked
+	b.c.Tick(ctx) // b lowers its claim, leaving a its room
+	if vb := b.c.Inspect(); vb.Claim > 8*fileSize {
+		t.Fatalf("b claims %d bytes after its tick beside a's request for 2 files of 10, want at most 8 files", vb.Claim)
+	}
+	select {
+	case err := <-stored:
+		if err != nil {
+			t.Fatalf("a's store, within its share, once b left it the room: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a's store did not end 10 s after b left it the room")
 	}
 }
 
