@@ -1211,14 +1211,16 @@ def split_costs(p, s, half, prefix_bytes, modes):
         # What the connector learns of its own layer-wise loads (the last
         # repetition's jobs): the step's seconds are the daemon's, from
         # the first submission to the end of its longest job, at most to
-        # the last wait's return; the latency is the first layer group's
-        # longest job past its bytes' share of them.
+        # the last wait's return; the rate and latency are load_measure's
+        # of them and the first layer group's bytes and longest job.
+        from kvhost.vllm._split import load_measure
         step_ms = min(max(j["waited_ms"] for j in jobs), max(j["sent_ms"] for j in jobs)
                       + max(j["daemon_ms"] for j in jobs))
-        load_s = max(step_ms / 1e3, 1e-6)
         first = [j for j in jobs if j["group"] == jobs[0]["group"]]
-        share = sum(j["bytes"] for j in first) / max(sum(j["bytes"] for j in jobs), 1)
-        latency_s = max(0.0, (max(j["daemon_ms"] for j in first) - step_ms * share) / 1e3)
+        nbytes, seconds, latency = load_measure(sum(j["bytes"] for j in jobs), max(step_ms / 1e3, 1e-6),
+                                                sum(j["bytes"] for j in first), max(j["daemon_ms"] for j in first) / 1e3)
+        load_s = max(seconds * prefix_bytes / max(nbytes, 1), 1e-6)  # the prefix's bytes at that rate
+        latency_s = latency or 0.0
     terms = [lambda k: 1.0, lambda k: float(t - k), lambda k: (t * t - k * k) / 2.0]
     coef, best = None, None
     for mask in range(1, 8):

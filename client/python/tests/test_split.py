@@ -3,7 +3,7 @@ measured forward passes (kvhost.vllm._split)."""
 
 import unittest
 
-from kvhost.vllm._split import CostModel
+from kvhost.vllm._split import CostModel, load_measure
 
 LLAMA_BYTES_PER_TOKEN = 131072  # 32 layers x K and V x 8 heads x 128 x bf16
 
@@ -132,16 +132,23 @@ class LoadRateRecoveryTest(unittest.TestCase):
         clock.now += 1e6
         self.assertAlmostEqual(m.load_gbps, m.good_gbps, places=6)
 
-    def test_start_from_sets_the_rate_before_any_load_and_only_the_target_after(self):
+    def test_start_from_keeps_the_measured_rate_of_one_medium_and_drops_it_for_another(self):
         clock = Clock()
         m = model(recover_s=5.0, clock=clock, alpha=1.0)
         m.start_from(20.0)
         self.assertAlmostEqual(m.load_gbps, 20.0, places=6)
         m.observe_load(8_000_000_000, 1.0)  # measured: 8 GB/s
-        m.start_from(30.0)  # a reconnection: the rate measured stays, and returns to 30 unmeasured
+        m.start_from(20.0)  # a reconnection to the same mounts: the rate measured stays
         self.assertAlmostEqual(m.load_gbps, 8.0, places=6)
         clock.now += 1e6
-        self.assertAlmostEqual(m.load_gbps, 30.0, places=6)
+        self.assertAlmostEqual(m.load_gbps, 20.0, places=6)  # and returns to 20 unmeasured
+        for _ in range(50):
+            m.observe_load(40_000_000_000, 1.0)  # a memory mount's 40 GB/s, many times
+        m.start_from(2.0)  # a daemon restarted on disks: 40 GB/s is no measure of them
+        self.assertAlmostEqual(m.load_gbps, 2.0, places=6)
+        self.assertAlmostEqual(m.good_gbps, 2.0, places=6)
+        clock.now += 3600
+        self.assertAlmostEqual(m.load_gbps, 2.0, places=6)
         for bad in (0, -1.0, float("nan"), True, "20"):
             with self.assertRaisesRegex(ValueError, "load_gbps"):
                 m.start_from(bad)
@@ -191,6 +198,51 @@ class LoadLatencyTest(unittest.TestCase):
         for bad in (-0.1, float("inf"), float("nan")):
             m.observe_latency(bad)
         self.assertEqual((m.load_latency_s, m.latency_observed), (0.002, 0))
+
+    def test_load_measure_takes_the_rate_after_the_first_group_and_its_excess_for_the_latency(self):
+        inf, nan = float("inf"), float("nan")
+        cases = [  # nbytes, seconds, first bytes, first seconds; want bytes, seconds, latency
+            # 32 K on the H200: 4.23 GB in 84.2 ms, the first layer's 132 MB in 5.32
+            (4.23e9, 0.0842, 0.132e9, 0.00532, 4.098e9, 0.07888, 0.00532 - 0.132e9 * 0.07888 / 4.098e9),
+            # a cold disk: 150 ms to start, then 2 GB/s; two equal groups
+            (2e9, 1.15, 1e9, 0.65, 1e9, 0.5, 0.15),
+            # groups side by side: the first ends with the rest, nothing separates
+            (2e9, 1.0, 1e9, 0.9, 2e9, 1.0, None),
+            (1e9, 1.0, 1e9, 1.0, 1e9, 1.0, None),  # one group
+            (1e9, 1.0, 0, 0.0, 1e9, 1.0, None),  # no first group measured
+            (1e9, 1.0, 2e8, 0.0, 1e9, 1.0, None),
+        ]
+        for nbytes, seconds, fb, fs, want_b, want_s, want_lat in cases:
+            with self.subTest(nbytes=nbytes, seconds=seconds, fb=fb, fs=fs):
+                b, secs, lat = load_measure(nbytes, seconds, fb, fs)
+                self.assertAlmostEqual(b, want_b, delta=want_b * 1e-9)
+                self.assertAlmostEqual(secs, want_s, delta=1e-12)
+                if want_lat is None:
+                    self.assertIsNone(lat)
+                else:
+                    self.assertAlmostEqual(lat, want_lat, delta=1e-12)
+                    # The model's load of these bytes takes the time they took.
+                    m = model(load_latency_s=0.0, alpha=1.0, recover_s=0.0)
+                    m.observe_load(b, secs)
+                    m.observe_latency(lat)
+                    self.assertAlmostEqual(nbytes / (m.load_gbps * 1e9) + m.load_latency_s, seconds, delta=seconds * 1e-9)
+        for bad in ((1e9, inf, 2e8, 0.1), (1e9, nan, 2e8, 0.1), (1e9, 1.0, 2e8, nan)):
+            with self.subTest(bad=bad):
+                b, secs, lat = load_measure(*bad)
+                self.assertIsNone(lat)
+
+    def test_loads_and_passes_timed_at_no_finite_time_are_ignored(self):
+        inf, nan = float("inf"), float("nan")
+        m = model(alpha=1.0, recover_s=0.0)
+        before = (m.load_gbps, m.good_gbps, m.prefill_scale)
+        for nbytes, seconds in ((1e9, nan), (1e9, inf), (nan, 1.0), (inf, 1.0), (1e9, 1e308), (1e9, 0.0), (0, 1.0)):
+            m.observe_load(nbytes, seconds)
+        work = [(8192, 0)]
+        for seconds in (nan, inf, 0.0, -1.0):
+            self.assertFalse(m.observe_compute(work, seconds))
+        self.assertEqual((m.load_gbps, m.good_gbps, m.prefill_scale, m.observed, m.compute_observed),
+                         before + (0, 0))
+        self.assertGreater(m.split(8192 + 512, 0, 8192, 256), 0)
 
 
 class PipelineTest(unittest.TestCase):

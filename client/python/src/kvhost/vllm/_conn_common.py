@@ -145,7 +145,7 @@ def options(extra):
         if k == "load_gbps" and v is None:
             continue  # by the daemon's mounts (start_rate_from_mounts)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not least <= v < 1e12:
-            raise ValueError(f"kvhost.vllm: {k}: want a number {'> 0' if least else '>= 0'}, got {v!r}")
+            raise ValueError(f"kvhost.vllm: {k}: want a number {'> 0' if least else '>= 0'} and < 1e12, got {v!r}")
     m = o["split_rate_margin"]
     if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
         raise ValueError(f"kvhost.vllm: split_rate_margin: want 0 <= margin < 1, got {m!r}")
@@ -334,27 +334,30 @@ class WorkerMeta:
     can go), the bytes the loads moved and the seconds they took, for the
     split's load rate, and computes, (step, seconds) of forward passes
     without loads the worker timed, for its prefill model, and latencies,
-    the loads' fixed costs (each step's first layer group's time beyond
-    its bytes at the step's rate), for the split's load latency; loaders,
+    (step, seconds) of the loads' fixed costs (each step's first layer
+    group's time beyond its bytes at the rate of the rest), for the
+    split's load latency; loaders,
     the workers whose bytes nbytes sums (1 for one that loaded). vLLM
     joins the workers' (aggregate)."""
 
     def __init__(self, nbytes=0, seconds=0.0, steps=(), computes=(), latencies=(), loaders=None):
         self.nbytes, self.seconds, self.steps = int(nbytes), float(seconds), tuple(steps)
         self.computes = tuple((int(s), float(t)) for s, t in computes)
-        self.latencies = tuple(float(x) for x in latencies)
+        self.latencies = tuple((int(s), float(t)) for s, t in latencies)
         self.loaders = int(loaders) if loaders is not None else int(self.nbytes > 0)
 
     def aggregate(self, other):
         """Both workers' bytes and loaders, the slower one's time, either's
-        steps, and per step the slower worker's forward pass (ranks run in
-        step)."""
-        computes = dict(self.computes)
-        for s, t in other.computes:
-            computes[s] = max(t, computes.get(s, 0.0))
+        steps, and per step the slower worker's forward pass and load
+        latency (ranks run in step: one measurement per step)."""
+        def slower(a, b):
+            per = dict(a)
+            for s, t in b:
+                per[s] = max(t, per.get(s, 0.0))
+            return sorted(per.items())
         return WorkerMeta(self.nbytes + other.nbytes, max(self.seconds, other.seconds),
-                          sorted(set(self.steps) | set(other.steps)), sorted(computes.items()),
-                          self.latencies + other.latencies, self.loaders + other.loaders)
+                          sorted(set(self.steps) | set(other.steps)), slower(self.computes, other.computes),
+                          slower(self.latencies, other.latencies), self.loaders + other.loaders)
 
     def __reduce__(self):
         return (WorkerMeta, (self.nbytes, self.seconds, self.steps, self.computes, self.latencies, self.loaders))

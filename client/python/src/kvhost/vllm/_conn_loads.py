@@ -13,6 +13,7 @@ from ..client import ConnectionLost, KvhostError
 from ._common import daemon_state, reason, wait_ended
 from ._conn_common import layer_groups
 from ._connect import lost_connection
+from ._split import load_measure
 
 log = logging.getLogger("vllm.kvhost")
 
@@ -68,7 +69,7 @@ class ConnectorLoads:
             if not nl:
                 continue
             per_load = getattr(meta, "layers_per_load", 0) or self._opts["layers_per_load"]
-            lgs = layer_groups(nl, per_load if ranged else nl, self._opts["layer_groups"])
+            lgs = layer_groups(nl, per_load, self._opts["layer_groups"]) if ranged else [(0, nl)]
             for lg, (first, count) in enumerate(lgs):
                 ranges[(g.index, lg)] = (first, count, len(lgs) > 1)
                 for n in g.layer_names[first:first + count]:
@@ -301,15 +302,16 @@ class ConnectorLoads:
             seconds = step.t_end - step.t0
             if step.daemon_s > 0:
                 seconds = min(seconds, step.sent + step.daemon_s)
-            self._measured[0] += step.nbytes
-            self._measured[1] += seconds
             self._stats["bytes_loaded"] += step.nbytes
             self._stats["load_seconds"] += seconds
-            # The load's fixed cost: the first group's time beyond what its
-            # bytes take at the step's rate (opening files, a cold start).
-            fb, fs = step.first
-            if fb and fs and step.nbytes > fb:
-                self._latencies.append(max(0.0, fs - fb * seconds / step.nbytes))
+            # The rate from the bytes after the first layer group, the
+            # load's fixed cost (opening files, a cold start) from that
+            # group's time beyond its bytes at that rate (load_measure).
+            nbytes, rate_s, latency = load_measure(step.nbytes, seconds, *step.first)
+            self._measured[0] += nbytes
+            self._measured[1] += rate_s
+            if latency is not None:
+                self._latencies.append((step.number, latency))
         self._done_steps.append(step.number)
         self._timeline = list(step.timeline.values())
         self._step = None

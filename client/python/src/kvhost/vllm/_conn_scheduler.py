@@ -495,7 +495,7 @@ class ConnectorScheduler(SchedulerLookups, _Half):
             loaders = max(getattr(wm, "loaders", 1) or 1, 1)
             self.cost.observe_load(wm.nbytes * min(stages, loaders) / loaders, wm.seconds)
             self._stats["load_measurements"] += 1
-        for latency in getattr(wm, "latencies", ()):
+        for _, latency in getattr(wm, "latencies", ()):
             self.cost.observe_latency(latency)
         for step, seconds in getattr(wm, "computes", ()):
             work = self._work.pop(step, None)

@@ -26,9 +26,11 @@ are about even, that costs about one group's work, which is why a slow
 mount (one layer's load alone at least job_s long) gets one layer per
 job, any other layers_per_load (layers_per_job).
 
-The rate is learned from the loads the workers time (observe_load), the
-latency from each load's first layer group (observe_latency: its time
-beyond its bytes at the rate, the cost of starting a load); the
+The rate is learned from the loads the workers time (observe_load: the
+bytes after a load's first layer group over the time after it), the
+latency from that first group (observe_latency: its time beyond its
+bytes at the rate, the cost of starting a load; a rate of a load's
+whole bytes over its whole time would count it twice); the
 prefill model's shape (fixed, a, b) is configured and its scale s learned
 from the forward passes the workers time (observe_compute), so that a
 GPU faster or slower than the configured one moves the split.
@@ -68,6 +70,25 @@ import threading
 import time
 
 SHAPES = ("ramp", "even")
+
+
+def load_measure(nbytes, seconds, first_bytes, first_s):
+    """What one load teaches the model, whose load(n) is bytes over the
+    rate plus a latency: (bytes, seconds) for the rate (observe_load) and
+    the latency (observe_latency; None where the load does not show it).
+    The load moved nbytes in seconds, its first layer group first_bytes
+    in first_s. The rate is the bytes after the first group over the time
+    after it, the latency the first group's time beyond its bytes at that
+    rate: the load's whole bytes over its whole time would count the
+    latency twice, in the rate and beside it. A first group that ended so
+    late that the rest would move at over twice the load's rate (groups
+    moving side by side) does not separate the two, nor does a time that
+    is no finite number: the load's rate, and no latency."""
+    if (0 < first_bytes < nbytes < math.inf and 0 < first_s < seconds < math.inf
+            and seconds - first_s >= seconds * (nbytes - first_bytes) / nbytes / 2):
+        rest, rest_s = nbytes - first_bytes, seconds - first_s
+        return rest, rest_s, max(0.0, first_s - first_bytes * rest_s / rest)
+    return nbytes, seconds, None
 
 
 def layer_groups(layers, per_load, shape="ramp"):
@@ -221,9 +242,12 @@ class CostModel:
         if isinstance(load_gbps, bool) or not isinstance(load_gbps, (int, float)) or not 0 < load_gbps < math.inf:
             raise ValueError(f"kvhost.vllm: load_gbps: want a number > 0, got {load_gbps!r}")
         with self._lock:
-            self._prior = float(load_gbps) * 1e9
-            if self.observed == 0:
-                self._learned = self._good = self._prior
+            prior = float(load_gbps) * 1e9
+            if self.observed == 0 or prior != self._prior:
+                # Another medium (a daemon restarted on other mounts):
+                # what was learned of the last one is not this one's.
+                self._learned = self._good = prior
+            self._prior = prior
 
     @property
     def good_gbps(self):
@@ -264,9 +288,10 @@ class CostModel:
     def observe_load(self, nbytes, seconds):
         """Takes a measured load (nbytes moved in seconds) into the rate: an
         EWMA of weight alpha over the rate as it stands now (recovered
-        for the time since the last measurement). Measurements of nothing
-        are ignored."""
-        if nbytes <= 0 or seconds <= 0:
+        for the time since the last measurement). Measurements of nothing,
+        and any whose rate is not a finite number of at least a byte a
+        second, are ignored."""
+        if not (0 < nbytes < math.inf and 0 < seconds < math.inf and 1 <= nbytes / seconds < math.inf):
             return
         if self._stages is not None:  # every stage's bytes: the heaviest one's share took the seconds
             nbytes = nbytes * self._load_share
@@ -291,10 +316,11 @@ class CostModel:
         spent computing (waits for loads left out) for work, the pass's
         requests as (total, cached) pairs (it computed tokens cached..total
         of each). An EWMA of weight alpha of measured over modelled; a pass
-        the model prices under MIN_OBSERVED_S is ignored. Returns whether
-        the pass was taken."""
+        the model prices under MIN_OBSERVED_S, or timed at no finite
+        number of seconds > 0, is ignored. Returns whether the pass was
+        taken."""
         modelled = self._modelled(work)
-        if seconds <= 0 or modelled < self.MIN_OBSERVED_S:
+        if not 0 < seconds < math.inf or not self.MIN_OBSERVED_S <= modelled < math.inf:
             return False
         if self._stages is not None:  # the slowest stage's pass: its share of the model's layers
             seconds = seconds * self._pass_share
