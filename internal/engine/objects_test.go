@@ -465,7 +465,8 @@ func TestAnObjectLoadFromAStoreThatDoesNotAnswerEndsAtItsDeadline(t *testing.T) 
 	objs.mu.Unlock()
 	into := [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}}
 	loads := nb.e.Stats().Loads
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	// Long enough for the load to reach its GETs on a loaded machine.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	res := wait(t)(nb.e.Load(ctx, LoadRequest{Cache: nb.c.id, Keys: keys, Blocks: into}))
 	// slow is still open: the load ended on its own deadline, not on an

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/plugins"
 )
 
@@ -330,7 +331,7 @@ func settledAccounting(ctx context.Context, socket string, dirs ...string) strin
 	}
 	defer c.Close()
 	var msg string
-	waitFor(ctx, 10*time.Second, 50*time.Millisecond, func() bool {
+	waitFor(ctx, testwait.Hang, 50*time.Millisecond, func() bool {
 		st, err := c.Stats(ctx)
 		if err != nil {
 			msg = fmt.Sprintf("stats: %v", err)

@@ -965,7 +965,7 @@ func TestWaitsPollBeforeTheyBlock(t *testing.T) {
 		busy          int  // "not ready" answers before a query runs the copies (-1: always)
 		polls, sleeps bool // whether the waits query, and whether they block
 	}{
-		{"copies done while polling", time.Second, 3, true, false},
+		{"copies done while polling", testwait.Hang, 3, true, false}, // three answers, however slow the machine
 		{"copies still running when the poll ends", 200 * time.Microsecond, -1, true, true},
 		{"no polling", -1, 0, false, true},
 	}
