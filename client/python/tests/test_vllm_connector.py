@@ -315,11 +315,28 @@ class PrefillTimingTest(unittest.TestCase):
         req = Request("r", "prefill", 512)  # 8,192 tokens: a pass the model prices at ~0.2 s
         meta = sched.build_connector_meta(new_output(req, list(range(512)), 0, req.num_tokens))
         modelled = sched.cost_model.compute_s(req.num_tokens, 0)
-        for step, seconds, scale in [(meta.step, 2 * modelled, 1.0 + 0.2), (meta.step, 2 * modelled, 1.2),
-                                     (99, 0.5, 1.2)]:  # a step reported twice, or never built: ignored
+        # Taken at the next output (1.0 until then), once; a step reported
+        # again after, or never built, is ignored.
+        for step, seconds, scale in [(meta.step, 2 * modelled, 1.0), (meta.step, 2 * modelled, 1.0 + 0.2),
+                                     (meta.step, 4 * modelled, 1.2), (99, 0.5, 1.2), (99, 0.5, 1.2)]:
             sched.update_connector_output(NS(kv_connector_worker_meta=C.WorkerMeta(computes=[(step, seconds)]),
                                              finished_sending=None))
             self.assertAlmostEqual(sched.counters()["prefill_scale"], scale, places=6)
+        self.assertEqual(sched.counters()["compute_measurements"], 1)
+
+    def test_a_slower_ranks_pass_in_the_next_output_counts(self):
+        # Pipeline stages' passes end one after the other: the slower
+        # stage's report of a step can come an output later.
+        cls = C.connector_class(NS(KVConnectorBase_V1=None))
+        sched = cls(None, "scheduler", config=offloading_config("/nonexistent"))
+        self.addCleanup(sched.shutdown)
+        req = Request("r", "prefill", 512)
+        meta = sched.build_connector_meta(new_output(req, list(range(512)), 0, req.num_tokens))
+        modelled = sched.cost_model.compute_s(req.num_tokens, 0)
+        for seconds in (modelled, 3 * modelled):
+            sched.update_connector_output(NS(kv_connector_worker_meta=C.WorkerMeta(computes=[(meta.step, seconds)]),
+                                             finished_sending=None))
+        self.assertAlmostEqual(sched.counters()["prefill_scale"], 1.0 + 0.2 * (3 - 1), places=6)
         self.assertEqual(sched.counters()["compute_measurements"], 1)
 
 

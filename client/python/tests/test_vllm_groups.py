@@ -114,6 +114,40 @@ class SplitCost(unittest.TestCase):
         self.assertEqual(G.load_bytes([state], 0, CHUNK), 0)
 
 
+    def test_a_claims_state_and_window_are_priced_per_claim_not_spread_over_the_hit(self):
+        full, win = group(G.FULL), group(G.WINDOW, index=1, window=128)
+        state = group(G.STATE, index=2, layers=6, page=1 << 20)  # 6 MiB of state: a hybrid's linear layers
+        gs, hit = [full, win, state], 16 * CHUNK
+        per, fixed = G.claim_costs(gs, hit, CHUNK)
+        self.assertAlmostEqual(per, PAGE * 2 / BLOCK)  # the full group's alone
+        self.assertEqual(fixed, G.load_bytes([win, state], hit, CHUNK))
+        for n in (CHUNK, 4 * CHUNK, hit):
+            with self.subTest(claim=n):
+                true = G.load_bytes(gs, n, CHUNK)
+                priced = n * per + fixed
+                # Never under the claim's bytes, and a window's chunks over at most.
+                self.assertGreaterEqual(priced, true)
+                self.assertLessEqual(priced - true, G.load_bytes([win], hit, CHUNK))
+                if n < hit:  # the old price: the hit's bytes per token, a state spread over tokens it does not load
+                    self.assertLess(n * G.bytes_per_token(gs, hit, CHUNK), true)
+
+    def test_a_short_claim_pays_its_whole_state_in_the_split(self):
+        # From a slow mount, a hybrid's claim of a chunk costs its state
+        # whole: priced per token of the hit, it looked cheap.
+        from kvhost.vllm._split import CostModel
+        state_bytes, per_token, hit = 64 << 20, 4096.0, 8192
+        kw = dict(prefill_s_per_token=1e-4, prefill_s_per_token2=0.0, clock=lambda: 0.0)
+        m = CostModel(per_token, 0.2, **kw)
+        m.claim_bytes = float(state_bytes)
+        spread = CostModel(per_token + state_bytes / hit, 0.2, **kw)
+        self.assertAlmostEqual(m.load_s(256), (256 * per_token + state_bytes) / 0.2e9)
+        self.assertGreater(m.load_s(256), 10 * spread.load_s(256))
+        self.assertAlmostEqual(m.load_s(hit), spread.load_s(hit))  # the whole hit: the same bytes
+        k, k_spread = m.split(hit + 256, 0, hit, 256), spread.split(hit + 256, 0, hit, 256)
+        self.assertLess(k, k_spread)
+        self.assertLess(m.ttft_s(hit + 256, 0, k), m.ttft_s(hit + 256, 0, k_spread))
+
+
 class Stages(unittest.TestCase):
     def test_pipeline_stages_keep_their_layers_in_namespaces_of_their_own(self):
         o = C.options({"socket": "/nonexistent"})

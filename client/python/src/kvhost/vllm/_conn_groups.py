@@ -263,6 +263,23 @@ def load_bytes(gs, tokens, chunk):
     return total
 
 
+def claim_costs(gs, tokens, chunk):
+    """The split's (bytes_per_token, claim_bytes) for claims of up to
+    tokens tokens over the groups gs: the bytes per token of the FULL and
+    MLA groups, and what a claim loads whatever its length, a STATE
+    group's state and a WINDOW group's chunks for a claim of tokens
+    tokens (a shorter claim loads no more). n * bytes_per_token +
+    claim_bytes is load_bytes(gs, n, chunk) within a block per group at n
+    = tokens."""
+    per, fixed = 0.0, 0
+    for g in gs:
+        if g.kind in (STATE, WINDOW):
+            fixed += load_bytes([g], tokens, chunk)
+        else:
+            per += g.page_bytes * len(g.layer_names) / g.tokens_per_block
+    return per, fixed
+
+
 def bytes_per_token(gs, tokens, chunk):
     """load_bytes per token of a claim of tokens tokens: what the split's
     CostModel.bytes_per_token stands for (a constant for full attention

@@ -190,11 +190,12 @@ class SchedulerLookups:
             k = hit
         else:
             if self._hybrid:
-                # A window group costs its window and a state group one state,
-                # not the claim's tokens: the split's bytes per token for
-                # this claim (_conn_groups.bytes_per_token).
-                self.cost.bytes_per_token = groups_.bytes_per_token(self._groups, hit - num_computed_tokens,
-                                                                    self._chunk)
+                # A window group costs its window and a state group one state
+                # whatever the claim's tokens: bytes every claim loads beside
+                # the full-attention groups' per token (_conn_groups.claim_costs).
+                # Averaged over the hit, they priced a short claim low.
+                self.cost.bytes_per_token, self.cost.claim_bytes = groups_.claim_costs(
+                    self._groups, hit - num_computed_tokens, self._chunk)
                 if self._pp > 1:  # every stage's (its groups' layers)
                     self.cost.stages = stages_.costs(self._stage_groups, hit - num_computed_tokens, self._chunk)
             k = self.cost.split(total, num_computed_tokens, hit, self._chunk)

@@ -61,6 +61,8 @@ class ConnectorScheduler(SchedulerLookups, _Half):
         self._unreplied = collections.deque()
         self._steps = 0                        # steps built
         self._work = {}                        # step -> its requests' (total, cached) tokens, for the prefill model
+        self._passes = {}                      # step -> [work, the slowest rank's seconds so far, the output first reporting it]
+        self._outputs = 0                      # update_connector_output calls with a WorkerMeta
         self._stats = collections.Counter()
         self._broken, self._closing, self._reconnectors = None, False, []
         # A request made in vLLM's call that the daemon left unanswered for
@@ -473,7 +475,9 @@ class ConnectorScheduler(SchedulerLookups, _Half):
     def update_connector_output(self, connector_output):
         """Releases the pins of the steps whose loads the workers ended (and
         of steps older than the pins' lease, which ended them anyway), and
-        takes the workers' measured loads into the split's load rate. vLLM
+        takes the workers' measured loads into the split's load rate and
+        their timed forward passes, each at the next output, into its
+        prefill scale. vLLM
         hands no output for a step whose workers had nothing to say: a
         step with loads always has (its WorkerMeta)."""
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -497,8 +501,19 @@ class ConnectorScheduler(SchedulerLookups, _Half):
             self._stats["load_measurements"] += 1
         for _, latency in getattr(wm, "latencies", ()):
             self.cost.observe_latency(latency)
+        # A step's forward pass is taken at the output after the one
+        # that first reported it, the slowest rank's of both: a rank
+        # reports a pass once its CUDA events have run, and two ranks'
+        # (pipeline stages, one after the other) can come in different
+        # outputs; the first alone would miss the slower one.
+        self._outputs += 1
         for step, seconds in getattr(wm, "computes", ()):
-            work = self._work.pop(step, None)
+            if step in self._passes:
+                self._passes[step][1] = max(self._passes[step][1], seconds)
+            elif (work := self._work.pop(step, None)) is not None:
+                self._passes[step] = [work, seconds, self._outputs]
+        for step in [s for s, (_, _, first) in self._passes.items() if first < self._outputs]:
+            work, seconds, _ = self._passes.pop(step)
             if work and self.cost.observe_compute(work, seconds):
                 self._stats["compute_measurements"] += 1
 

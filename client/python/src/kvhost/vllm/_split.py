@@ -14,8 +14,11 @@ prefix). The load is bytes over a rate plus a latency; the computation of
 the T - K tokens after K cached ones has a linear term and a quadratic
 (attention) term, so the later tokens are the dear ones::
 
-    load(n)       = n * bytes_per_token / rate + latency      (0 for n = 0)
+    load(n)       = (n * bytes_per_token + claim_bytes) / rate + latency   (0 for n = 0)
     compute(T, K) = s * (fixed + a * (T - K) + b * (T^2 - K^2) / 2)
+
+(claim_bytes: what a hybrid model's state and window groups load for any
+claim; 0 for full attention alone.)
 
 The max is what a perfect pipeline reaches. The loads come in jobs of
 whole layer groups (layer_groups), and a group's layers are computed only
@@ -180,6 +183,11 @@ class CostModel:
         self._ends_cache = {}
         self.stages = stages
         self.bytes_per_token = float(bytes_per_token)
+        # Bytes a claim loads whatever its tokens (a hybrid model's state
+        # and window groups: _conn_groups.claim_costs), beside
+        # bytes_per_token's; not under stages, whose bytes per token
+        # hold them.
+        self.claim_bytes = 0.0
         self.latency_observed = 0  # load latencies taken in
         self._prior = float(load_gbps) * 1e9  # bytes per second: the configured rate
         self._learned = self._prior  # the rate as of the last measurement
@@ -345,7 +353,7 @@ class CostModel:
             return 0.0
         if self._stages is not None:  # the stages load in parallel: the heaviest one's
             return tokens * max(b for b, _ in self._stages) / self._rate + self.load_latency_s
-        return tokens * self.bytes_per_token / self._rate + self.load_latency_s
+        return (tokens * self.bytes_per_token + self.claim_bytes) / self._rate + self.load_latency_s
 
     def compute_s(self, total, cached):
         """Seconds to compute the total - cached tokens after cached ones."""
@@ -373,7 +381,7 @@ class CostModel:
             return 1 if layer_s >= self.job_s else cap
         if cap <= 1 or self.layers <= 1 or tokens <= 0 or self.job_s <= 0:
             return cap
-        layer_s = tokens * self.bytes_per_token / self.layers / self._rate
+        layer_s = (tokens * self.bytes_per_token + self.claim_bytes) / self.layers / self._rate
         return 1 if layer_s >= self.job_s else cap
 
     def ttft_s(self, total, computed, k, job_tokens=None):
@@ -403,7 +411,7 @@ class CostModel:
             return comp
         if self._stages is not None:
             return self._stage_pipeline(n, comp, rate, lat, ends)
-        load = n * self.bytes_per_token / rate
+        load = (n * self.bytes_per_token + self.claim_bytes) / rate
         if self.layers <= 1:
             return max(load + lat, comp)
         # Group j (count_j layers, through_j layers up to and with it)
