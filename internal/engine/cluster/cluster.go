@@ -54,8 +54,11 @@ type Mount struct {
 	// (an idle peer above its share, of a long interval, would cost every
 	// store the whole wait).
 	waitedOut string
-	seq       uint64
-	pub       *clustercap.Summary // the last summary published
+	// ticking is the time this node's ticks held mu, summed: a store
+	// waiting for room does not count it against its wait.
+	ticking time.Duration
+	seq     uint64
+	pub     *clustercap.Summary // the last summary published
 	// The rest, in groups, all under mu but where a field says otherwise.
 	clusterView
 	clusterAdoption
@@ -815,6 +818,8 @@ func (c *Mount) publish(sketch clustercap.Sketch, touches []clustercap.Touch, cu
 func (c *Mount) Tick(ctx context.Context) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	held := time.Now()
+	defer func() { c.ticking += time.Since(held) }()
 	start := c.Host.Now().UnixNano()
 	c.clusterTwin.relock(&c.site)
 	err := c.read(ctx)
@@ -916,10 +921,11 @@ func (c *Mount) evict(ctx context.Context, own []ranked, cut uint64, need int64)
 // files beyond the cut-off: it asks the room (want, published) and waits
 // for the others to evict down to their shares (at their next claim
 // raise or tick), reading the directory every pollStarved, for
-// starveWaitLocked and the time its own node held the mount meanwhile,
-// longer while a peer above its share has not had its turns
-// (peersHadTheirTurnsLocked), never past maxStarveWait. Without the
-// directory (lost), or while a node that may run cannot be counted (c.unknown: its summary unusable, none read
+// starveWaitLocked and the time its own node's ticks held the mount
+// meanwhile, longer while a peer above its share has not had its turns
+// (peersHadTheirTurnsLocked); at the first read past maxStarveWait it
+// ends. Without the directory (lost), or while a node that may run
+// cannot be counted (c.unknown: its summary unusable, none read
 // before), it stays within its last claim. A caller that gave up (ctx
 // cancelled) before the eviction gets ctx's error instead, with no file
 // deleted. A call that fails publishes its claim again, lowered back to
@@ -943,9 +949,9 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 			}
 		}
 	}()
-	begun := time.Now()
-	deadline := begun.Add(c.starveWaitLocked())
-	var above map[string]uint64 // at the first read after the request's publication
+	begun, ticked := time.Now(), c.ticking
+	wait := c.starveWaitLocked()
+	var turns map[string]*peerTurns // from the first read after the request's publication
 	for {
 		c.mu.Unlock()
 		t := time.NewTimer(pollStarved(c.interval))
@@ -954,11 +960,7 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 		case <-t.C:
 		}
 		t.Stop()
-		locking := time.Now()
 		c.mu.Lock()
-		// The time this node's own work held the mount (its tick) is no
-		// time the others had to answer: the wait goes on as long.
-		deadline = deadline.Add(time.Since(locking))
 		if ctx.Err() != nil {
 			return fmt.Errorf("engine: mount %s: waiting for room within this node's fair share: %w", c.Root, ctx.Err())
 		}
@@ -966,11 +968,12 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 			c.lose(rerr)
 			return err
 		}
-		if above == nil {
-			above = c.seqsAboveShareLocked()
-		}
 		now := time.Now()
-		out := now.Sub(begun) >= maxStarveWait || now.After(deadline) && c.peersHadTheirTurnsLocked(above)
+		turns = c.peerTurnsLocked(turns, now)
+		// The time this node's ticks held the mount is no time the others
+		// had to answer: the wait goes on as long.
+		waited := now.Sub(begun)
+		out := waited >= maxStarveWait || waited-(c.ticking-ticked) > wait && c.peersHadTheirTurnsLocked(turns, now)
 		if c.own+size <= c.limitLocked(c.claim) || out {
 			var again bool
 			if again, err = c.reserveLocked(ctx, size); !again {
@@ -980,7 +983,7 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 				c.waitedOut = c.peersSeen()
 				var ns *NoSpaceError
 				if errors.As(err, &ns) {
-					ns.Why = fmt.Sprintf("waited %v for the other nodes to evict down to their fair shares (this node's: %d bytes; a node idle above its share evicts at its next tick)", now.Sub(begun).Round(time.Millisecond), c.shareLocked())
+					ns.Why = fmt.Sprintf("waited %v for the other nodes to evict down to their fair shares (this node's: %d bytes; a node idle above its share evicts at its next tick)", waited.Round(time.Millisecond), c.shareLocked())
 				}
 				return err
 			}
@@ -988,34 +991,56 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 	}
 }
 
-// seqsAboveShareLocked is the sequence numbers of the live peers above
-// their fair share as last read, by node: those whose evicting would give
-// a waiting store its room. Called with c.mu held.
-func (c *Mount) seqsAboveShareLocked() map[string]uint64 {
-	share := c.shareLocked()
-	seqs := make(map[string]uint64)
-	for _, p := range c.peers {
-		if p.Claim > share {
-			seqs[p.Node] = p.Seq
-		}
-	}
-	return seqs
+// peerTurns is what a store waiting for room saw of one live peer above
+// its fair share: its sequence number at the wait's first read, and the
+// last one with when it was first seen.
+type peerTurns struct {
+	first, last uint64
+	changed     time.Time
 }
 
-// peersHadTheirTurnsLocked reports whether every live peer of above
-// (seqsAboveShareLocked at the wait's first read, after this node's
-// request was published) that still claims more than its share published
-// twice since: the first may rest on a read from before the request, the
-// second on one after it. A peer gone from the live ones, or down to its
+// peerTurnsLocked records the live peers' sequence numbers as just read
+// (at now) into turns: at the first read after a waiting store's request
+// was published (turns nil), those of the peers above their fair share.
+// Called with c.mu held.
+func (c *Mount) peerTurnsLocked(turns map[string]*peerTurns, now time.Time) map[string]*peerTurns {
+	if turns == nil {
+		turns = make(map[string]*peerTurns)
+		share := c.shareLocked()
+		for _, p := range c.peers {
+			if p.Claim > share {
+				turns[p.Node] = &peerTurns{first: p.Seq, last: p.Seq, changed: now}
+			}
+		}
+		return turns
+	}
+	for _, p := range c.peers {
+		if t := turns[p.Node]; t != nil && p.Seq != t.last {
+			t.last, t.changed = p.Seq, now
+		}
+	}
+	return turns
+}
+
+// peersHadTheirTurnsLocked reports whether every live peer of turns that
+// still claims more than its share has had its turns since the wait's
+// first read: it published three times (the first may rest on a read
+// from before the request, the second be a claim raise, which rests on
+// none; the third rests on a read after the request), or it has
+// published nothing for two of its intervals (a peer hung or stopped
+// answers no request). A peer gone from the live ones, or down to its
 // share, has had its turn. A wait ends at its length only then (or at
 // maxStarveWait): on a loaded machine a peer's tick can run late, and a
 // refusal then would blame a peer that never saw the request. Called
 // with c.mu held.
-func (c *Mount) peersHadTheirTurnsLocked(above map[string]uint64) bool {
+func (c *Mount) peersHadTheirTurnsLocked(turns map[string]*peerTurns, now time.Time) bool {
 	share := c.shareLocked()
 	for _, p := range c.peers {
-		seq, ok := above[p.Node]
-		if ok && p.Claim > share && p.Seq-seq < 2 {
+		t := turns[p.Node]
+		if t == nil || p.Claim <= share || p.Seq-t.first >= 3 {
+			continue
+		}
+		if silent := now.Sub(t.changed); silent < 2*min(max(time.Duration(p.Interval), 0), maxStarveWait) {
 			return false
 		}
 	}
@@ -1032,7 +1057,7 @@ func pollStarved(i time.Duration) time.Duration {
 // the nodes' intervals: at least minStarveWait (a busy peer's next claim
 // raise, through a file system that stalls a rename now and then), at
 // most maxStarveWait, which is also how long a wait goes on while a peer
-// above its share has not published twice since it began.
+// above its share has not had its turns since it began.
 const (
 	minStarveWait = time.Second
 	maxStarveWait = 5 * time.Second

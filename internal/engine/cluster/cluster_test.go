@@ -173,16 +173,20 @@ func TestAReserveBeyondTheClusterBoundIsANoSpaceError(t *testing.T) {
 	}
 }
 
-// TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns: a holds 1 file
-// of a bound of 10 and b holds 6, both at 100 ms intervals (a wait of 1
-// s); b's claim, raised by a store it gave back, leaves a 1.5 files. a's
-// store of one more file, within its fair share of 5, waits for b to
-// lower its claim. Meanwhile a's own tick holds a's mount for longer than
-// that wait, and b does not publish. When a's tick lets go, b ticks,
-// lowering its claim; a's store then succeeds: the time its own tick held
-// the mount, and b's missed turns, did not count against the wait
-// (before, it was refused as soon as its tick let go).
-func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
+// TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns (starvedPair):
+// a's store of one more file, within its fair share, waits for b to lower
+// its claim. Meanwhile a's own tick holds a's mount for longer than that
+// wait, and b does not publish. When a's tick lets go, b ticks, lowering
+// its claim; a's store then succeeds (before e835e090 it was refused as
+// soon as its tick let go). The wait leaves out the tick's hold; the
+// test does not tell that apart from the wait's last read catching b's
+// tick, which the hold's end races with.
+// starvedPair opens a and b on one directory at 100 ms intervals (a
+// wait of 1 s), a bound of 10 files: a holds 1 file, b holds 6 and
+// claims more than 8 (a store it gave back raised its claim), leaving a
+// 1.5 files, below its fair share of 5.
+func starvedPair(t *testing.T) (a, b *node) {
+	t.Helper()
 	ctx := context.Background()
 	dir := t.TempDir()
 	const interval = 100 * time.Millisecond
@@ -193,7 +197,7 @@ func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
 		}
 		return n
 	}
-	a, b := open("a"), open("b")
+	a, b = open("a"), open("b")
 	for i := range 6 {
 		b.index(t, "b", i, int64(100+i))
 	}
@@ -208,6 +212,12 @@ func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
 	if va, vb := a.c.Inspect(), b.c.Inspect(); va.Own != fileSize || vb.Own != 6*fileSize || vb.Claim <= 8*fileSize {
 		t.Fatalf("a holds %d bytes, b %d and claims %d; want 1 file, 6 files and more than 8", va.Own, vb.Own, vb.Claim)
 	}
+	return a, b
+}
+
+func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
+	ctx := context.Background()
+	a, b := starvedPair(t)
 	began := time.Now()
 	stored := make(chan error, 1)
 	go func() { stored <- a.c.Reserve(ctx, fileSize) }()
@@ -247,6 +257,26 @@ func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("a's store did not end 10 s after b left it the room")
+	}
+}
+
+// TestAStarvedStoreBesideASilentPeerIsRefusedAtItsWaitNotAtTheCap
+// (starvedPair): b, above its share, never publishes again (hung, or
+// stopped with its lock held). a's store waits its 1 s and is refused,
+// naming the wait; a peer that answers nothing has had its turns once it
+// was silent for two of its intervals, so the store does not wait the 5 s
+// that a peer not yet answering may take.
+func TestAStarvedStoreBesideASilentPeerIsRefusedAtItsWaitNotAtTheCap(t *testing.T) {
+	a, _ := starvedPair(t)
+	began := time.Now()
+	err := a.c.Reserve(context.Background(), fileSize)
+	took := time.Since(began)
+	var ns *cluster.NoSpaceError
+	if !errors.As(err, &ns) || !strings.Contains(err.Error(), "waited") {
+		t.Fatalf("a's store beside silent b above its share: %v, want a NoSpaceError naming its wait", err)
+	}
+	if took >= 4*time.Second {
+		t.Fatalf("a's store beside silent b was refused after %v: the wait ran toward its 5 s cap, want about its 1 s", took)
 	}
 }
 
