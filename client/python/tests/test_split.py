@@ -230,6 +230,9 @@ class LoadLatencyTest(unittest.TestCase):
             with self.subTest(bad=bad):
                 b, secs, lat = load_measure(*bad)
                 self.assertIsNone(lat)
+                # The load's own bytes and time, which observe_load then refuses where they are no number.
+                self.assertEqual(b, bad[0])
+                self.assertTrue(secs == bad[1] or secs != secs and bad[1] != bad[1], secs)
 
     def test_loads_and_passes_timed_at_no_finite_time_are_ignored(self):
         inf, nan = float("inf"), float("nan")
