@@ -818,8 +818,8 @@ func (c *Mount) publish(sketch clustercap.Sketch, touches []clustercap.Touch, cu
 func (c *Mount) Tick(ctx context.Context) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	held := time.Now()
-	defer func() { c.ticking += time.Since(held) }()
+	held := c.wall()
+	defer func() { c.ticking += c.wall().Sub(held) }()
 	start := c.Host.Now().UnixNano()
 	c.clusterTwin.relock(&c.site)
 	err := c.read(ctx)
@@ -949,7 +949,7 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 			}
 		}
 	}()
-	begun, ticked := time.Now(), c.ticking
+	begun, ticked := c.wall(), c.ticking
 	wait := c.starveWaitLocked()
 	var turns map[string]*peerTurns // from the first read after the request's publication
 	for {
@@ -968,7 +968,7 @@ func (c *Mount) Reserve(ctx context.Context, size int64) (err error) {
 			c.lose(rerr)
 			return err
 		}
-		now := time.Now()
+		now := c.wall()
 		turns = c.peerTurnsLocked(turns, now)
 		// The time this node's ticks held the mount is no time the others
 		// had to answer: the wait goes on as long.

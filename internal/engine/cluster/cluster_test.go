@@ -90,11 +90,12 @@ func newNode(t *testing.T, dir, name string, capacity int64) *node {
 // openNode opens node name's cluster mount on dir, closed at the test's
 // end.
 func openNode(t *testing.T, dir, name string, capacity int64) (*node, error) {
-	return openNodeEvery(t, dir, name, capacity, time.Hour)
+	return openNodeEvery(t, dir, name, capacity, time.Hour, nil)
 }
 
-// openNodeEvery is openNode for a node that publishes every interval.
-func openNodeEvery(t *testing.T, dir, name string, capacity int64, interval time.Duration) (*node, error) {
+// openNodeEvery is openNode for a node that publishes every interval,
+// its waits for room timed by wall (nil: the real clock).
+func openNodeEvery(t *testing.T, dir, name string, capacity int64, interval time.Duration, wall *fakeWall) (*node, error) {
 	sp := space.New()
 	ms := space.NewMount(space.MountConfig{Root: dir, Configured: 1 << 40, High: 0.9, Low: 0.8}, fsys.StatFS{})
 	sp.Add(ms)
@@ -105,6 +106,9 @@ func openNodeEvery(t *testing.T, dir, name string, capacity int64, interval time
 	}
 	h := &host{ix: ix}
 	g := cluster.Group{Root: dir, Node: name, Log: testLogger(t), Host: h, Index: ix, Space: sp, Sp: ms}
+	if wall != nil {
+		g.Clock = wall.now
+	}
 	c, err := cluster.Open(fsys.OS{}, g, b, interval)
 	if c != nil {
 		t.Cleanup(c.Close)
@@ -181,17 +185,36 @@ func TestAReserveBeyondTheClusterBoundIsANoSpaceError(t *testing.T) {
 // soon as its tick let go). The wait leaves out the tick's hold; the
 // test does not tell that apart from the wait's last read catching b's
 // tick, which the hold's end races with.
+// fakeWall is a clock a test moves (cluster.Group.Clock).
+type fakeWall struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (w *fakeWall) now() time.Time {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.t
+}
+
+func (w *fakeWall) advance(d time.Duration) {
+	w.mu.Lock()
+	w.t = w.t.Add(d)
+	w.mu.Unlock()
+}
+
 // starvedPair opens a and b on one directory at 100 ms intervals (a
-// wait of 1 s), a bound of 10 files: a holds 1 file, b holds 6 and
-// claims more than 8 (a store it gave back raised its claim), leaving a
-// 1.5 files, below its fair share of 5.
-func starvedPair(t *testing.T) (a, b *node) {
+// wait of 1 s, timed by the returned clock), a bound of 10 files: a holds
+// 1 file, b holds 6 and claims more than 8 (a store it gave back raised
+// its claim), leaving a 1.5 files, below its fair share of 5.
+func starvedPair(t *testing.T) (a, b *node, wall *fakeWall) {
 	t.Helper()
 	ctx := context.Background()
 	dir := t.TempDir()
+	wall = &fakeWall{t: time.Unix(1e9, 0)}
 	const interval = 100 * time.Millisecond
 	open := func(name string) *node {
-		n, err := openNodeEvery(t, dir, name, 10*fileSize, interval)
+		n, err := openNodeEvery(t, dir, name, 10*fileSize, interval, wall)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -212,17 +235,24 @@ func starvedPair(t *testing.T) (a, b *node) {
 	if va, vb := a.c.Inspect(), b.c.Inspect(); va.Own != fileSize || vb.Own != 6*fileSize || vb.Claim <= 8*fileSize {
 		t.Fatalf("a holds %d bytes, b %d and claims %d; want 1 file, 6 files and more than 8", va.Own, vb.Own, vb.Claim)
 	}
-	return a, b
+	return a, b, wall
 }
 
+// TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns (starvedPair):
+// a's store of one more file, within its fair share, waits for b to lower
+// its claim. Meanwhile a's own tick holds a's mount while 1.5 s pass on
+// the wait's clock, longer than the wait, and b does not publish. When
+// a's tick lets go, b ticks, lowering its claim; a's store then succeeds
+// (before e835e090 it was refused as soon as its tick let go). The wait
+// leaves out the tick's hold; the test does not tell that apart from the
+// wait's next read catching b's tick, which the hold's end races with.
 func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
 	ctx := context.Background()
-	a, b := starvedPair(t)
-	began := time.Now()
+	a, b, wall := starvedPair(t)
 	stored := make(chan error, 1)
 	go func() { stored <- a.c.Reserve(ctx, fileSize) }()
 	// a asks the room: its published claim grows to 2 files.
-	testwait.Until(t, "a's published claim asking 2 files", 10*time.Second, func() bool {
+	testwait.Until(t, "a's published claim asking 2 files", testwait.Hang, func() bool {
 		s, err := a.c.Dir().ReadSummary("a")
 		return err == nil && s.Claim >= 2*fileSize
 	})
@@ -236,9 +266,7 @@ func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
 		a.c.Tick(ctx) // holds a's mount in its Rank call until hold closes
 	}()
 	<-held
-	testwait.Until(t, "a's tick holding its mount past the wait's length", 10*time.Second, func() bool {
-		return time.Since(began) > 1500*time.Millisecond
-	})
+	wall.advance(1500 * time.Millisecond) // past the wait's 1 s, all of it within the tick's hold
 	select {
 	case err := <-stored:
 		t.Fatalf("a's store ended while its own tick held the mount: %v", err)
@@ -255,28 +283,39 @@ func TestAStarvedStoreWaitsOutItsOwnTickAndThePeersTurns(t *testing.T) {
 		if err != nil {
 			t.Fatalf("a's store, within its share, once b left it the room: %v", err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("a's store did not end 10 s after b left it the room")
+	case <-time.After(testwait.Hang):
+		t.Fatal("a's store did not end after b left it the room")
 	}
 }
 
 // TestAStarvedStoreBesideASilentPeerIsRefusedAtItsWaitNotAtTheCap
 // (starvedPair): b, above its share, never publishes again (hung, or
-// stopped with its lock held). a's store waits its 1 s and is refused,
-// naming the wait; a peer that answers nothing has had its turns once it
-// was silent for two of its intervals, so the store does not wait the 5 s
-// that a peer not yet answering may take.
+// stopped with its lock held). a's store, its clock moved 10 ms at a
+// time up to 4.5 s, is refused, naming its wait: a peer that answers
+// nothing has had its turns once it was silent for two of its intervals,
+// so the store does not wait the 5 s cap that a peer not yet answering
+// may take (on e835e090 it was never refused before the cap).
 func TestAStarvedStoreBesideASilentPeerIsRefusedAtItsWaitNotAtTheCap(t *testing.T) {
-	a, _ := starvedPair(t)
-	began := time.Now()
-	err := a.c.Reserve(context.Background(), fileSize)
-	took := time.Since(began)
+	a, _, wall := starvedPair(t)
+	done := make(chan error, 1)
+	go func() { done <- a.c.Reserve(context.Background(), fileSize) }()
+	var err error
+	moved := time.Duration(0)
+	testwait.Until(t, "a's store beside silent b to end before the wait's clock reaches 4.5 s", testwait.Hang, func() bool {
+		select {
+		case err = <-done:
+			return true
+		default:
+		}
+		if moved < 4500*time.Millisecond {
+			wall.advance(10 * time.Millisecond)
+			moved += 10 * time.Millisecond
+		}
+		return false
+	})
 	var ns *cluster.NoSpaceError
 	if !errors.As(err, &ns) || !strings.Contains(err.Error(), "waited") {
 		t.Fatalf("a's store beside silent b above its share: %v, want a NoSpaceError naming its wait", err)
-	}
-	if took >= 4*time.Second {
-		t.Fatalf("a's store beside silent b was refused after %v: the wait ran toward its 5 s cap, want about its 1 s", took)
 	}
 }
 

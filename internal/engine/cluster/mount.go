@@ -29,6 +29,19 @@ type Group struct {
 	// Policy names the placement policy in this node's summaries ("":
 	// none said): a peer of another policy is named in a warning.
 	Policy string
+	// Clock times a store's wait for room and the ticks' holds of the
+	// mount (nil: time.Now; a test's own moves them without sleeping).
+	// Not Host.Now: an engine on a clock that stands still would wait
+	// forever.
+	Clock func() time.Time
+}
+
+// wall is the time by g.Clock.
+func (g *Group) wall() time.Time {
+	if g.Clock != nil {
+		return g.Clock()
+	}
+	return time.Now()
 }
 
 // Host is what a cluster mount asks of the engine.
