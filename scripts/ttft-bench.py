@@ -1204,7 +1204,7 @@ def split_costs(p, s, half, prefix_bytes, modes):
     t = p + s
     ms = {"recompute": 0, "half": half, "suffix": p}
     pts = [(ms[m], modes[m]["median_ms"] / 1e3) for m in ("recompute", "half", "suffix") if m in modes]
-    load_s = max(modes["whole"]["median_ms"] / 1e3 - modes["suffix"]["median_ms"] / 1e3, 1e-6)
+    gbps = prefix_bytes / max(modes["whole"]["median_ms"] / 1e3 - modes["suffix"]["median_ms"] / 1e3, 1e-6) / 1e9
     latency_s = 0.0
     jobs = modes.get("layerwise", {}).get("load_jobs")
     if jobs and modes["layerwise"].get("ok") and all(j["daemon_ms"] is not None for j in jobs):
@@ -1219,7 +1219,8 @@ def split_costs(p, s, half, prefix_bytes, modes):
         first = [j for j in jobs if j["group"] == jobs[0]["group"]]
         nbytes, seconds, latency = load_measure(sum(j["bytes"] for j in jobs), max(step_ms / 1e3, 1e-6),
                                                 sum(j["bytes"] for j in first), max(j["daemon_ms"] for j in first) / 1e3)
-        load_s = max(seconds * prefix_bytes / max(nbytes, 1), 1e-6)  # the prefix's bytes at that rate
+        if nbytes > 0:  # else the whole load's rate
+            gbps = nbytes / seconds / 1e9
         latency_s = latency or 0.0
     terms = [lambda k: 1.0, lambda k: float(t - k), lambda k: (t * t - k * k) / 2.0]
     coef, best = None, None
@@ -1240,7 +1241,7 @@ def split_costs(p, s, half, prefix_bytes, modes):
                 coef[i] = x[j]
     if coef is None:  # every token alike
         coef = [0.0, pts[0][1] / t, 0.0]
-    return {"load_gbps": prefix_bytes / load_s / 1e9, "load_latency_ms": latency_s * 1e3, "prefill_fixed_ms": coef[0] * 1e3,
+    return {"load_gbps": gbps, "load_latency_ms": latency_s * 1e3, "prefill_fixed_ms": coef[0] * 1e3,
             "prefill_us_per_token": coef[1] * 1e6, "prefill_ns_per_token2": coef[2] * 1e9}
 
 
